@@ -1,0 +1,4 @@
+from maester.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,453 @@
+"""The config tree: one typed, strictly validated, round-trippable object for a whole run.
+
+Sources, in rising precedence: defaults < a file (TOML, YAML or JSON) < environment variables
+(`MAESTER_TRAINING__STEPS=10`) < command-line overrides (`--training.steps=10` or `--training.steps 10`).
+Errors name the dotted key, the offending value and where it came from.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from maester.models.registry import ARCHITECTURES
+
+ENV_PREFIX = "MAESTER_"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names every bad key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class JobConfig(Section):
+    name: str = "demo"
+    """Job name: the job directory is `<dump_dir>/<name>`."""
+    dump_dir: str = "jobs"
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "JobConfig":
+        allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+        if not self.name or set(self.name) - allowed or self.name.startswith("."):
+            raise ValueError(f"job.name {self.name!r} may only contain letters, digits, '-', '_' and '.'")
+        return self
+
+
+class ModelConfig(Section):
+    name: str = "llama"
+    """Architecture name (see `maester.models.registry`)."""
+    flavor: str = "demo"
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Any architecture field, e.g. `{n_layers = 4}`; replaced by the validated, typed values."""
+
+    @model_validator(mode="after")
+    def _check_architecture(self) -> "ModelConfig":
+        if self.name not in ARCHITECTURES:
+            raise ValueError(f"model.name {self.name!r} is unknown{_suggest(self.name, ARCHITECTURES)}")
+        flavors = ARCHITECTURES[self.name].flavors
+        if self.flavor not in flavors:
+            raise ValueError(f"model.flavor {self.flavor!r} is not a flavor of {self.name}"
+                             f"{_suggest(self.flavor, flavors)}")
+        args = self.architecture()
+        typed = {k: getattr(args, k) for k in self.overrides}
+        typed = {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in typed.items()}
+        if typed != self.overrides:
+            object.__setattr__(self, "overrides", typed)
+        return self
+
+    def architecture(self) -> BaseModel:
+        """The flavor's arguments with `overrides` applied and validated."""
+        arch = ARCHITECTURES[self.name]
+        fields = arch.args_class.model_fields
+        bad = [k for k in self.overrides if k not in fields]
+        if bad:
+            raise ValueError("; ".join(f"model.overrides.{k} is not a field of {self.name}{_suggest(k, fields)}"
+                                       for k in bad))
+        base = arch.flavors[self.flavor].model_dump()
+        try:
+            return arch.args_class.model_validate({**base, **self.overrides})
+        except ValidationError as e:
+            raise ValueError("; ".join(_format_pydantic_error(err, "model.overrides", None) for err in e.errors()))
+
+
+class TokenizerConfig(Section):
+    kind: Literal["byte", "hf"] = "byte"
+    """`byte`: 256 byte values plus special tokens, no files. `hf`: a Hugging Face `tokenizer.json`."""
+    path: str | None = None
+    """For `hf`: the `tokenizer.json` file or the directory that holds it."""
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    """Special-token strings; for `hf` they default to those in `tokenizer_config.json` beside the file."""
+
+    @model_validator(mode="after")
+    def _check_path(self) -> "TokenizerConfig":
+        if self.kind == "hf" and not self.path:
+            raise ValueError("tokenizer.path is required when tokenizer.kind = 'hf'")
+        if self.kind == "byte":
+            given = [k for k in ("path", "bos_token", "eos_token", "pad_token") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"tokenizer.{given[0]} must not be set when tokenizer.kind = 'byte' "
+                                 "(its special tokens are fixed)")
+        return self
+
+
+class DataSourceConfig(Section):
+    path: str
+    """A Parquet or JSONL file, a directory of them, a glob, or a built-in corpus (`builtin:pydoc`)."""
+    text_column: str = "text"
+    format: Literal["auto", "parquet", "jsonl"] = "auto"
+
+
+class DataConfig(Section):
+    sources: list[DataSourceConfig] = Field(
+        default_factory=lambda: [DataSourceConfig(path="builtin:pydoc")], min_length=1)
+    seq_len: int = Field(512, gt=0)
+    add_bos: bool = False
+    """Put BOS before every document (EOS always follows one)."""
+    document_masking: bool = False
+    """Attention and positions restart at each document boundary inside a sequence."""
+
+
+class TrainingConfig(Section):
+    steps: int = Field(1000, gt=0)
+    seed: int = 0
+    batch_unit: Literal["sequences", "tokens"] = "sequences"
+    global_batch_size: int = Field(32, gt=0)
+    """Per optimizer step, over all data-parallel ranks, in `batch_unit`."""
+    micro_batch_size: int = Field(8, gt=0)
+    """Per forward/backward on one rank, in `batch_unit`; accumulation steps are derived."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; None: no clipping (the norm is still logged)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Autocast dtype; `auto` is bf16 on GPU and fp32 on CPU. Parameters and optimizer stay fp32."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    deterministic: bool = False
+    """Use deterministic kernels (`torch.use_deterministic_algorithms`); CPU runs are bitwise repeatable anyway."""
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    """Applied to matrices only: never to embeddings, norms or biases."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """`auto`: fused on GPU, foreach on CPU."""
+
+
+class ScheduleConfig(Section):
+    name: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
+    """Learning-rate multiplier after warmup: constant, linear or cosine decay to `min_lr_ratio`, or
+    warmup-stable-decay (`wsd`) with a final decay of `decay_fraction` of the steps."""
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """`wsd` only: the share of all steps spent decaying."""
+    decay_shape: Literal["linear", "1-sqrt", "cosine"] = "linear"
+    """`wsd` only: the shape of the final decay."""
+
+
+class ParallelConfig(Section):
+    dp_replicate: int = Field(1, ge=1)
+    dp_shard: int = Field(-1, ge=-1)
+    """-1: all remaining ranks."""
+    tp: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check_shard(self) -> "ParallelConfig":
+        if self.dp_shard == 0:
+            raise ValueError("parallel.dp_shard must be -1 (the remaining ranks) or >= 1, got 0")
+        return self
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(500, ge=0)
+    """Save every this many steps (0: only at the end)."""
+    keep_last: int = Field(2, ge=1)
+    keep_every: int | None = Field(None, gt=0)
+    """Also keep every checkpoint whose step is a multiple of this, forever."""
+    init_from: str | None = None
+    """A checkpoint directory (or job directory) whose model weights start a new run; used only
+    while the job has no checkpoint of its own."""
+    save_final: bool = True
+
+
+class LoggingConfig(Section):
+    interval: int = Field(10, gt=0)
+
+
+class Config(Section):
+    job: JobConfig = Field(default_factory=JobConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> "Config":
+        t, seq_len = self.training, self.data.seq_len
+        if t.batch_unit == "tokens":
+            for key in ("global_batch_size", "micro_batch_size"):
+                if getattr(t, key) % seq_len:
+                    raise ValueError(f"training.{key} = {getattr(t, key)} tokens is not a multiple of "
+                                     f"data.seq_len = {seq_len}")
+        if t.global_batch_size % t.micro_batch_size:
+            raise ValueError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                             f"training.micro_batch_size ({t.micro_batch_size})")
+        if self.schedule.warmup_steps > t.steps:
+            raise ValueError(f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
+                             f"training.steps ({t.steps})")
+        return self
+
+    @property
+    def job_dir(self) -> Path:
+        return Path(self.job.dump_dir) / self.job.name
+
+    def sequences(self, size: int) -> int:
+        """A batch size of `training.batch_unit` in sequences of `data.seq_len`."""
+        return size // self.data.seq_len if self.training.batch_unit == "tokens" else size
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "Config":
+        return load_config(path, overrides=(), environ={})
+
+
+# ---------------------------------------------------------------- loading and merging
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML, YAML or JSON file into a dict; a missing or malformed file is an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist" if not path.exists() else
+                          f"config file {path} is not a file")
+    text = path.read_text()
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            import tomllib
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text) or {}
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: unknown format {suffix!r} (use .toml, .yaml, .yml or .json)")
+    except ConfigError:
+        raise
+    except Exception as e:  # the parsers' messages carry line and column
+        raise ConfigError(f"config file {path}: cannot parse: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a table/mapping, got {type(data).__name__}")
+    return data
+
+
+def parse_cli_overrides(args: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """`--a.b=1` and `--a.b 1` into (dotted key, raw value) pairs."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            key = arg[2:]
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"override --{key} has no value: use --{key}=VALUE or --{key} VALUE")
+            value = args[i + 1]
+            i += 2
+        if "." not in key:
+            raise ConfigError(f"override --{key}: keys are dotted, like --training.steps")
+        pairs.append((key, value))
+    return pairs
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """`MAESTER_TRAINING__STEPS=10` into ("training.steps", "10", variable name); sorted for stability."""
+    out = []
+    for var in sorted(environ):
+        if var.startswith(ENV_PREFIX):
+            key = ".".join(part.lower() for part in var[len(ENV_PREFIX):].split("__"))
+            out.append((key, environ[var], var))
+    return out
+
+
+def parse_value(raw: str) -> Any:
+    """Strings stay strings (pydantic coerces them); JSON lists/objects and null are decoded."""
+    stripped = raw.strip()
+    if stripped in ("null", "None"):
+        return None
+    if stripped.startswith(("[", "{")):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError:
+            return raw  # e.g. a glob like "[ab]*.parquet"; a list/dict field then rejects the string by name
+    return raw
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node: Any = tree
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[_list_index(part, node, parts[:i])]
+            continue
+        nxt = node.get(part)
+        if not isinstance(nxt, (dict, list)):
+            nxt = node[part] = {}
+        node = nxt
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_list_index(last, node, parts[:-1])] = value
+    else:
+        node[last] = value
+
+
+def _list_index(part: str, node: list, parents: list[str]) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"{'.'.join(parents)} has {len(node)} entries; {part!r} is not an index into it")
+    return int(part)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Resolve the config from defaults, a file, the environment and command-line overrides."""
+    environ = os.environ if environ is None else environ
+    tree: dict[str, Any] = Config().model_dump(mode="json")
+    origins: dict[str, str] = {}
+    if path is not None:
+        from_file = read_config_file(path)
+        problems = check_keys(Config, from_file, "", {"": f"file {path}"})
+        if problems:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        _deep_merge(tree, from_file)
+        origins[""] = f"file {path}"
+    for key, raw, var in env_overrides(environ):
+        _apply(tree, origins, key, raw, f"environment variable {var}")
+    for key, raw in parse_cli_overrides(list(overrides)):
+        _apply(tree, origins, key, raw, f"command line --{key}")
+    problems = check_keys(Config, tree, "", origins)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(
+            _format_pydantic_error(err, "", origins) for err in e.errors())) from None
+
+
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
+    """Merge tables key by key; any other value (lists included) replaces the default."""
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict) and key != "overrides":
+            _deep_merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def _apply(tree: dict, origins: dict[str, str], key: str, raw: str, origin: str) -> None:
+    set_dotted(tree, key, parse_value(raw))
+    origins[key] = origin
+
+
+def check_keys(model: type[BaseModel], tree: Any, prefix: str, origins: Mapping[str, str]) -> list[str]:
+    """Unknown keys anywhere in `tree`, each with a did-you-mean and its origin."""
+    if not isinstance(tree, dict):
+        return []
+    problems = []
+    fields = model.model_fields
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            problems.append(f"{dotted}: unknown key{_suggest(key, fields)}{_origin_of(dotted, origins)}")
+            continue
+        sub = _submodel(fields[key].annotation)
+        if sub is None:
+            continue
+        kind, cls = sub
+        if kind == "one":
+            problems += check_keys(cls, value, dotted + ".", origins)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                problems += check_keys(cls, item, f"{dotted}.{i}.", origins)
+    return problems
+
+
+def _submodel(annotation: Any) -> tuple[str, type[BaseModel]] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "one", annotation
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            found = _submodel(arg)
+            if found:
+                return found
+    if origin is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return "list", args[0]
+    return None
+
+
+def _suggest(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=3, cutoff=0.5)
+    if close:
+        return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+    return " (choices: " + ", ".join(repr(str(c)) for c in choices) + ")"
+
+
+def _origin_of(dotted: str, origins: Mapping[str, str] | None) -> str:
+    if not origins:
+        return ""
+    parts = dotted.split(".") if dotted else []
+    for n in range(len(parts), 0, -1):
+        origin = origins.get(".".join(parts[:n]))
+        if origin:
+            return f" [from {origin}]"
+    below = sorted({o for k, o in origins.items() if k.startswith(dotted + ".")}) if dotted else []
+    if below:
+        return " [from " + "; ".join(below) + "]"
+    return f" [from {origins['']}]" if "" in origins else ""
+
+
+def _format_pydantic_error(err: Mapping[str, Any], prefix: str, origins: Mapping[str, str] | None) -> str:
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    dotted = ".".join(p for p in (prefix, loc) if p)
+    msg = err.get("msg", "invalid")
+    if err.get("type") == "value_error":
+        msg = msg.removeprefix("Value error, ")
+        names_key = "." in msg.split(" ", 1)[0]  # the validator's message already names the dotted key
+        head = "" if names_key or not dotted else f"{dotted}: "
+        if not dotted and origins:  # a check across sections: the origins of the keys it names
+            named = sorted({f"{key} from {origins[key]}" for key in re.findall(r"[a-z_]+\.[a-z_.]+", msg)
+                            if key in origins})
+            where = "; ".join(named) or origins.get("", "")
+            return f"{msg} [{where}]" if where else msg
+        return f"{head}{msg}{_origin_of(dotted, origins)}"
+    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    return f"{dotted or '<root>'}: {msg}{got}{_origin_of(dotted, origins)}"

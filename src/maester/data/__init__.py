@@ -1,0 +1,1 @@
+"""Tokenizers, text sources and the stateful loader that turns them into batches."""

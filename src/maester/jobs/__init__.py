@@ -1,0 +1,1 @@
+"""Job directories and launchers."""

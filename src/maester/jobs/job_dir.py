@@ -1,0 +1,67 @@
+"""The job directory: `jobs/<name>/{config.json, slurm.sh, logs/, checkpoints/}`, everything a run needs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+from maester.config import Config, load_config
+
+log = logging.getLogger("maester")
+
+CONFIG_FILE = "config.json"
+
+
+def is_job_dir(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
+
+
+def render_slurm_script(cfg: Config, job_dir: Path) -> str:
+    template = resources.files("maester.jobs").joinpath("templates/slurm.sh").read_text()
+    return Template(template).substitute(job_name=cfg.job.name, job_dir=job_dir.resolve(),
+                                         workdir=Path.cwd().resolve())
+
+
+def write_job_dir(cfg: Config, job_dir: Path | None = None) -> Path:
+    """Create or update the job directory; config.json is replaced atomically."""
+    job_dir = Path(job_dir or cfg.job_dir)
+    for sub in ("logs", "checkpoints"):
+        (job_dir / sub).mkdir(parents=True, exist_ok=True)
+    _write_atomically(job_dir / CONFIG_FILE, cfg.to_json())
+    _write_atomically(job_dir / "slurm.sh", render_slurm_script(cfg, job_dir))
+    os.chmod(job_dir / "slurm.sh", 0o755)
+    return job_dir
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def config_for_target(target: str, overrides: list[str]) -> tuple[Config, Path]:
+    """`target` is a job directory (its config.json, plus overrides) or a config file (the job dir is derived)."""
+    if is_job_dir(target):
+        job_dir = Path(target)
+        saved = Config.from_json_file(job_dir / CONFIG_FILE)
+        cfg = load_config(job_dir / CONFIG_FILE, overrides)
+        if cfg != saved:
+            changed = sorted(_diff(saved.model_dump(mode="json"), cfg.model_dump(mode="json")))
+            log.info("updating %s: %s", job_dir / CONFIG_FILE, ", ".join(changed))
+        return cfg, job_dir
+    if Path(target).is_dir():
+        raise FileNotFoundError(f"{target} is a directory without {CONFIG_FILE}: not a job directory")
+    cfg = load_config(target, overrides)
+    return cfg, cfg.job_dir
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [f"{prefix.rstrip('.')}={b!r}"]

@@ -1,0 +1,1 @@
+"""Model definitions (single-device code) and the registry of named architectures."""

@@ -1,0 +1,40 @@
+"""Turn a `model` config section into a module: resolve the vocabulary, build on meta, materialise, init."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from maester.config import ModelConfig
+from maester.models.registry import ARCHITECTURES
+
+
+def resolve_args(cfg: ModelConfig, tokenizer_vocab: int) -> BaseModel:
+    """Architecture args with `vocab_size` fixed: the flavor's own, or the tokenizer's rounded up to 64."""
+    args = cfg.architecture()
+    if args.vocab_size is None:
+        return args.model_copy(update={"vocab_size": -(-tokenizer_vocab // 64) * 64})
+    if args.vocab_size < tokenizer_vocab:
+        raise ValueError(f"model vocab_size {args.vocab_size} (flavor {cfg.flavor!r}) is smaller than the "
+                         f"tokenizer's vocabulary {tokenizer_vocab}: set model.overrides.vocab_size")
+    return args
+
+
+def build_on_meta(cfg: ModelConfig, args: BaseModel) -> nn.Module:
+    with torch.device("meta"):
+        return ARCHITECTURES[cfg.name].model_class()(args)
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """Allocate a meta-built model on `device` and initialise it from `seed`, identically on every rank."""
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        model.init_weights()
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,1 @@
+"""Commands around training: text generation, plots."""

@@ -1,0 +1,185 @@
+"""Atomic checkpoints with `torch.distributed.checkpoint` (DCP).
+
+Layout of `jobs/<name>/checkpoints/`:
+
+    step-<N>/            a complete checkpoint: DCP files (.metadata, *.distcp) for model and optimizer,
+                         trainer_state.json (step, data position), rng/rank<R>.pt, config.json
+    latest -> step-<N>   moved (atomically) only after step-<N> is complete
+    step-<N>.tmp/        a save in progress; never loaded, removed by the next save
+
+A checkpoint is written under the temporary name and renamed when every file is on disk, so a crash at any
+moment leaves the previous checkpoint as `latest`, whole and loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from maester.config import CheckpointConfig
+from maester.train.faults import maybe_crash
+
+log = logging.getLogger("maester")
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+
+
+@contextmanager
+def _single_process_ok():
+    """DCP warns when no process group exists; one process is a supported layout, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def is_complete(path: Path) -> bool:
+    return STEP_DIR.match(path.name) is not None and (path / ".metadata").is_file() and (
+        path / TRAINER_STATE).is_file()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a checkpoint path, a `checkpoints/` directory or a job directory."""
+    path = Path(path)
+    for candidate in (path, path / "latest", path / "checkpoints" / "latest"):
+        if candidate.is_dir() and (candidate / ".metadata").is_file():
+            real = candidate.resolve()
+            if not is_complete(real):
+                raise ValueError(f"checkpoint {candidate} is incomplete (no {TRAINER_STATE} or .metadata)")
+            return real
+    raise FileNotFoundError(f"no checkpoint at {path} (looked for a DCP checkpoint, latest, checkpoints/latest)")
+
+
+def capture_rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    def __init__(self, job_dir: Path, cfg: CheckpointConfig, rank: int = 0):
+        self.dir = Path(job_dir) / "checkpoints"
+        self.cfg, self.rank = cfg, rank
+
+    def latest(self) -> Path | None:
+        link = self.dir / "latest"
+        if not link.exists():
+            if link.is_symlink():
+                raise ValueError(f"{link} points to a missing checkpoint ({os.readlink(link)})")
+            return None
+        return resolve_checkpoint(link)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
+             config_json: str) -> Path:
+        final = self.dir / f"step-{step}"
+        tmp = self.dir / f"step-{step}.tmp"
+        if self.rank == 0:
+            self._remove_unfinished()
+            self.dir.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _single_process_ok():
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+        maybe_crash("during_save", step)
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(capture_rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
+        if self.rank == 0:
+            _write_durably(tmp / "config.json", config_json)
+            _write_durably(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}, indent=2))
+            if final.exists():  # a checkpoint of this step from an earlier, superseded attempt
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+            self._point_latest_to(final)
+            self._apply_retention(step)
+        return final
+
+    def _point_latest_to(self, target: Path) -> None:
+        tmp_link = self.dir / "latest.tmp"
+        if tmp_link.is_symlink() or tmp_link.exists():
+            tmp_link.unlink()
+        os.symlink(target.name, tmp_link)
+        os.replace(tmp_link, self.dir / "latest")
+        _fsync_dir(self.dir)
+
+    def _remove_unfinished(self) -> None:
+        if self.dir.is_dir():
+            for path in self.dir.glob("*.tmp"):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+
+    def _apply_retention(self, newest: int) -> None:
+        steps = sorted(int(STEP_DIR.match(p.name)[1]) for p in self.dir.iterdir() if STEP_DIR.match(p.name))
+        keep = set(steps[-self.cfg.keep_last:]) | {newest}
+        if self.cfg.keep_every:
+            keep |= {s for s in steps if s % self.cfg.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                doomed = self.dir / f"step-{s}"
+                trash = self.dir / f"step-{s}.deleting.tmp"
+                os.replace(doomed, trash)  # no half-deleted directory ever carries a step-<N> name
+                shutil.rmtree(trash)
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Restore model, optimizer and this rank's RNG; returns the trainer state (step, data position)."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        rng_file = path / "rng" / f"rank{self.rank}.pt"
+        if rng_file.is_file():
+            restore_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            log.warning("checkpoint %s has no RNG state for rank %d (saved on fewer ranks)", path, self.rank)
+        return json.loads((path / TRAINER_STATE).read_text())
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load only the model from a checkpoint (fine-tuning, generation); every model key must be present."""
+    model_sd = get_model_state_dict(model)
+    state = {"model": model_sd}
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,145 @@
+"""Throughput, model FLOPs utilisation (MFU) and the sinks metrics go to (console and metrics.jsonl).
+
+MFU follows PaLM (Chowdhery et al. 2022, appendix B):
+
+    MFU = tokens_per_second_per_device * (6 * N + 12 * L * H * Q * T) / peak_flops_per_device
+
+N counts the parameters that take part in matrix multiplies: every parameter except the input-embedding
+table, whose lookup is not a matmul; a tied embedding is counted, because it is the output head. L is the
+number of layers, H the attention heads, Q the head dimension and T the sequence length. Causal sparsity is
+not discounted and recomputation (activation checkpointing) is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger("maester")
+
+# Dense BF16 peak FLOP/s per device (one GCD for MI250X). Matched by substring in this order.
+PEAK_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("A100", 312e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 191.5e12),
+    ("MI250", 181e12),  # MI250 (not X), per GCD
+]
+
+
+def peak_flops(device_name: str) -> float | None:
+    for key, flops in PEAK_FLOPS:
+        if key in device_name:
+            return flops
+    return None
+
+
+def matmul_parameters(model: nn.Module) -> int:
+    """Parameters in matmuls: all but an untied input-embedding table."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding = getattr(model, "tok_embeddings", None)
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+    if embedding is not None and not tied:
+        total -= embedding.weight.numel()
+    return total
+
+
+def flops_per_token(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs (forward and backward) per token: 6N + 12·L·H·Q·T."""
+    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int) -> int:
+    args = model.args
+    return flops_per_token(matmul_parameters(model), args.n_layers, args.n_heads, args.resolved_head_dim, seq_len)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Peak FLOP/s of the device, or None (CPU, or a GPU not in the table: MFU is then not reported)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = peak_flops(name)
+    if peak is None:
+        log.warning("no peak-FLOPs figure for %r: MFU is not reported (add it to PEAK_FLOPS)", name)
+    return peak
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to metrics.jsonl and prints a console line."""
+
+    def __init__(self, path: Path, progress=None):
+        self.path = path
+        self.progress = progress
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_partial_last_line(path)
+        self._file = open(path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
+        line = format_console_line(record)
+        if self.progress is not None and not self.progress.disable:
+            self.progress.write(line)
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _drop_partial_last_line(path: Path) -> None:
+    """A process killed mid-write leaves a line without its newline; the resumed run logs that step again."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _finite_or_none(record: dict) -> dict:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def format_console_line(r: dict) -> str:
+    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3g}", f"grad_norm {r['grad_norm']:.3f}",
+             f"tok/s {r['tokens_per_second']:,.0f}"]
+    if r.get("mfu") is not None:
+        parts.append(f"mfu {100 * r['mfu']:.1f}%")
+    parts.append(f"data {r['data_loading_seconds']:.3f}s")
+    parts.append(f"mem {r['peak_memory_gib']:.2f}GiB")
+    return " | ".join(parts)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The logged steps of a job, in step order; a step logged again after a restart replaces the earlier line."""
+    by_step: dict[int, dict] = {}
+    lines = path.read_text().split("\n")
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # a running job may be writing its last line right now
+                break
+            raise ValueError(f"{path}:{lineno}: not valid JSON") from None
+        by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]

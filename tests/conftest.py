@@ -1,0 +1,15 @@
+import pytest
+
+from tests.helpers import write_corpus
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A real Parquet file of short pseudo-English documents."""
+    return write_corpus(tmp_path / "data" / "corpus.parquet")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    """Built-in corpora and other caches go to the test's own directory, never the user's home."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

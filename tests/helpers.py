@@ -1,0 +1,51 @@
+"""Test helpers: a small real Parquet corpus, the overrides of a tiny fast run, running the CLI."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "configs" / "demo.toml"
+
+WORDS = ("the model reads a token and predicts the next one while the optimizer updates every weight "
+         "of the network after each step so that the loss goes down over time").split()
+
+
+def write_corpus(path: Path, n_docs: int = 200, seed: int = 0) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) + "." for _ in range(n_docs)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": docs}), path)
+    return path
+
+
+def tiny_overrides(corpus: Path, dump_dir: Path, name: str = "tiny", **extra) -> list[str]:
+    """A run of the tiny Llama on the corpus that takes a fraction of a second per step on a CPU."""
+    values = {
+        "job.name": name, "job.dump_dir": str(dump_dir), "model.flavor": "tiny",
+        "data.sources": f'[{{"path":"{corpus}"}}]', "data.seq_len": "32",
+        "training.steps": "8", "training.global_batch_size": "4", "training.micro_batch_size": "2",
+        "training.device": "cpu", "optimizer.lr": "3e-3", "schedule.name": "cosine",
+        "schedule.warmup_steps": "2", "checkpoint.interval": "4", "logging.interval": "1",
+    }
+    values.update({k.replace("__", "."): str(v) for k, v in extra.items()})
+    return [f"--{k}={v}" for k, v in values.items()]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAESTER_") and k != "_MAESTER_FAULT"}
+    env.update(extra)
+    return env
+
+
+def run_maester(args: list[str], cwd: Path, env: dict[str, str] | None = None,
+                timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "maester", *args], cwd=cwd, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -1,0 +1,45 @@
+import math
+
+import pytest
+
+from maester.config import ScheduleConfig
+from maester.train.schedule import lr_multiplier
+
+
+def curve(total=100, **kw):
+    cfg = ScheduleConfig(**kw)
+    return [lr_multiplier(cfg, s, total) for s in range(1, total + 1)]
+
+
+def test_linear_warmup_reaches_one():
+    c = curve(name="constant", warmup_steps=10)
+    assert c[:10] == pytest.approx([s / 10 for s in range(1, 11)])
+    assert c[10:] == [1.0] * 90
+
+
+def test_cosine_decays_to_min_ratio():
+    c = curve(name="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    assert c[9] == 1.0
+    mid = 10 + 45  # halfway through the decay
+    assert c[mid - 1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 90)))
+    assert c[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(c[10:], c[11:]))
+
+
+def test_linear_decay():
+    c = curve(name="linear", warmup_steps=0, min_lr_ratio=0.0)
+    assert c[0] == pytest.approx(0.99) and c[49] == pytest.approx(0.5) and c[-1] == 0.0
+
+
+@pytest.mark.parametrize("shape, at_half", [("linear", 0.5), ("1-sqrt", 1 - math.sqrt(0.5)),
+                                            ("cosine", 0.5)])
+def test_wsd_stable_then_decay(shape, at_half):
+    c = curve(name="wsd", warmup_steps=10, decay_fraction=0.2, decay_shape=shape, min_lr_ratio=0.0)
+    assert c[9] == 1.0 and c[79] == 1.0  # stable until step 80
+    assert c[89] == pytest.approx(at_half)  # step 90 is halfway through the 20 decay steps
+    assert c[-1] == pytest.approx(0.0)
+
+
+def test_wsd_min_ratio_floor():
+    c = curve(name="wsd", decay_fraction=0.5, min_lr_ratio=0.2)
+    assert min(c) == pytest.approx(0.2) and c[-1] == pytest.approx(0.2)

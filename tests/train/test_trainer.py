@@ -1,0 +1,146 @@
+"""The training loop end to end: learning, batch-split invariance, exact resume after a kill, atomic saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from maester.config import load_config
+from maester.train.checkpoint import load_model_weights, resolve_checkpoint
+from maester.train.metrics import read_metrics
+from maester.train.trainer import Trainer
+from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides
+
+
+def make_trainer(corpus, tmp_path, name="run", **extra) -> Trainer:
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", name, **extra), environ={})
+    return Trainer(cfg, cfg.job_dir)
+
+
+def losses(job_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(job_dir / "metrics.jsonl")}
+
+
+def test_loss_goes_down(corpus, tmp_path):
+    trainer = make_trainer(corpus, tmp_path, training__steps=40, checkpoint__interval=0,
+                           checkpoint__save_final="false")
+    result = trainer.train()
+    curve = losses(trainer.job_dir)
+    assert result.step == 40 and result.checkpoint is None
+    assert curve[1] > 5.0  # ~ln(320) at initialisation
+    assert curve[40] < curve[1] - 2.0, curve
+
+
+def test_loss_does_not_depend_on_micro_batch_split(corpus, tmp_path):
+    """Loss is normalised by the label tokens of the whole step, so 1x8 and 4x2 sequences train identically."""
+    whole = make_trainer(corpus, tmp_path, "whole", training__global_batch_size=8, training__micro_batch_size=8,
+                         training__steps=3, checkpoint__save_final="false")
+    split = make_trainer(corpus, tmp_path, "split", training__global_batch_size=8, training__micro_batch_size=2,
+                         training__steps=3, checkpoint__save_final="false")
+    assert split.loader.accumulation_steps == 4 and whole.loader.accumulation_steps == 1
+    whole.train()
+    split.train()
+    a, b = losses(whole.job_dir), losses(split.job_dir)
+    for step in (1, 2, 3):
+        assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-6)
+    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_tokens_as_batch_unit_equals_sequences(corpus, tmp_path):
+    cfg_tok = load_config(None, tiny_overrides(corpus, tmp_path, "t", training__batch_unit="tokens",
+                                               training__global_batch_size=128, training__micro_batch_size=64),
+                          environ={})
+    assert cfg_tok.sequences(cfg_tok.training.global_batch_size) == 4
+    assert cfg_tok.sequences(cfg_tok.training.micro_batch_size) == 2
+
+
+def test_exact_resume_after_kill(corpus, tmp_path):
+    """2N uninterrupted steps == N steps, a SIGKILL, then a resume to 2N: bit-identical losses N+1..2N."""
+    n = 4
+    straight = run_maester(["train", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", "straight")], tmp_path)
+    assert straight.returncode == 0, straight.stderr
+
+    killed = run_maester(["train", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", "resumed")], tmp_path,
+                         env=clean_env(_MAESTER_FAULT=f"after_step:{n + 2}"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    job = tmp_path / "jobs" / "resumed"
+    assert os.readlink(job / "checkpoints" / "latest") == f"step-{n}"
+    assert max(losses(job)) == n + 2  # the killed run got past the checkpoint before dying
+
+    resumed = run_maester(["train", str(job)], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and f"step-{n}" in resumed.stderr
+    a, b = losses(tmp_path / "jobs" / "straight"), losses(job)
+    assert sorted(a) == sorted(b) == list(range(1, 2 * n + 1))
+    for step in range(n + 1, 2 * n + 1):
+        assert a[step] == b[step], (step, a[step], b[step])  # bitwise: JSON keeps every float bit
+    grad_a = {r["step"]: r["grad_norm"] for r in read_metrics(tmp_path / "jobs" / "straight" / "metrics.jsonl")}
+    grad_b = {r["step"]: r["grad_norm"] for r in read_metrics(job / "metrics.jsonl")}
+    assert all(grad_a[s] == grad_b[s] for s in range(n + 1, 2 * n + 1))
+
+
+def test_crash_while_saving_keeps_previous_checkpoint(corpus, tmp_path):
+    job = tmp_path / "jobs" / "crash"
+    crashed = run_maester(["train", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", "crash")], tmp_path,
+                          env=clean_env(_MAESTER_FAULT="during_save:8"))
+    assert crashed.returncode == -signal.SIGKILL
+    ckpts = job / "checkpoints"
+    assert os.readlink(ckpts / "latest") == "step-4"
+    assert (ckpts / "step-8.tmp" / ".metadata").is_file()  # model and optimizer written, the rest not
+    assert not (ckpts / "step-8").exists()
+
+    # The previous checkpoint loads, and the half-written one is never taken for a good one.
+    path = resolve_checkpoint(job)
+    assert path.name == "step-4"
+    with pytest.raises(ValueError, match="incomplete"):
+        resolve_checkpoint(ckpts / "step-8.tmp")
+    trainer = make_trainer(tmp_path / "data" / "corpus.parquet", tmp_path, "crash")
+    assert trainer.step == 4
+    result = trainer.train()
+    assert result.step == 8 and result.checkpoint.name == "step-8"
+    assert not (ckpts / "step-8.tmp").exists()
+    assert json.loads((ckpts / "step-8" / "trainer_state.json").read_text())["step"] == 8
+
+
+def test_retention_keeps_last_k_and_every_kth(corpus, tmp_path):
+    trainer = make_trainer(corpus, tmp_path, "keep", training__steps=9, checkpoint__interval=1,
+                           checkpoint__keep_last=2, checkpoint__keep_every=4)
+    trainer.train()
+    names = sorted(p.name for p in (trainer.job_dir / "checkpoints").iterdir())
+    assert names == ["latest", "step-4", "step-8", "step-9"]
+
+
+def test_init_from_loads_weights_only_while_job_has_no_checkpoint(corpus, tmp_path):
+    source = make_trainer(corpus, tmp_path, "source", training__steps=4)
+    source.train()
+    fine = make_trainer(corpus, tmp_path, "fine", training__steps=6, checkpoint__init_from=str(source.job_dir))
+    for p, q in zip(source.model.parameters(), fine.model.parameters()):
+        assert torch.equal(p, q)
+    assert fine.step == 0  # a new run: step, optimizer and data start fresh
+    fine.train()
+    # Once the job has its own checkpoint, init_from is ignored and the job resumes.
+    again = make_trainer(corpus, tmp_path, "fine", training__steps=6, checkpoint__init_from=str(source.job_dir))
+    assert again.step == 6
+    reference = make_trainer(corpus, tmp_path, "ref", training__steps=2)
+    load_model_weights(resolve_checkpoint(again.job_dir), reference.model)
+    for p, q in zip(again.model.parameters(), reference.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_resume_on_different_data_is_refused(corpus, tmp_path):
+    make_trainer(corpus, tmp_path, "d", training__steps=4).train()
+    from tests.helpers import write_corpus
+
+    other = write_corpus(tmp_path / "other" / "c.parquet", seed=1)
+    with pytest.raises(ValueError, match="different data"):
+        make_trainer(other, tmp_path, "d", training__steps=8)
+
+
+def test_parallel_layout_needing_more_processes_is_refused(corpus, tmp_path):
+    with pytest.raises(ValueError, match="needs 2 processes"):
+        make_trainer(corpus, tmp_path, "p", parallel__tp=2)
