@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -60,6 +61,10 @@ def seed_everything(seed: int) -> None:
 
 
 def check_single_process_layout(cfg: Config) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise ValueError(f"launched with WORLD_SIZE={world}, but this trainer runs one process: "
+                         f"use --nproc_per_node=1 (multi-process layouts are not supported yet)")
     p = cfg.parallel
     shard = 1 if p.dp_shard == -1 else p.dp_shard
     needed = p.dp_replicate * shard * p.tp
