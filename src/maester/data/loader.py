@@ -71,6 +71,7 @@ class TokenWindows:
             raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one sequence of "
                              f"data.seq_len + 1 = {seq_len + 1}")
         self.tokens, self.seq_len = tokens, seq_len
+        self._fingerprint: str | None = None
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -81,11 +82,11 @@ class TokenWindows:
 
     def fingerprint(self) -> str:
         """Identifies the token stream, so a resume on different data fails instead of silently drifting."""
-        h = hashlib.sha256()
-        h.update(f"{len(self.tokens)}:{self.seq_len}:".encode())
-        h.update(self.tokens[: 1 << 20].tobytes())
-        h.update(self.tokens[-(1 << 20):].tobytes())
-        return h.hexdigest()[:16]
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"{len(self.tokens)}:{self.seq_len}:{self.tokens.dtype}:".encode())
+            h.update(memoryview(np.ascontiguousarray(self.tokens)).cast("B"))
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
 
 
 class WindowLoader:

@@ -19,9 +19,9 @@ def resolve_files(source: DataSourceConfig) -> list[Path]:
         return [materialize_builtin(source.path.removeprefix("builtin:"))]
     path = Path(source.path)
     if any(ch in source.path for ch in "*?["):
-        files = [Path(p) for p in sorted(glob.glob(source.path, recursive=True)) if Path(p).is_file()]
+        files = sorted((Path(p) for p in glob.glob(source.path, recursive=True) if Path(p).is_file()), key=str)
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+        files = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES), key=str)
     elif path.is_file():
         files = [path]
     else:

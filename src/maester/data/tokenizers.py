@@ -38,12 +38,12 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         out, run = [], bytearray()
         for i in ids:
-            if i < 256:
+            if 0 <= i < 256:
                 run.append(i)
                 continue
             out.append(run.decode("utf-8", errors="replace"))
             run = bytearray()
-            if i < self.vocab_size:
+            if 256 <= i < self.vocab_size:
                 out.append(self.SPECIAL_TOKENS[i - 256])
             else:
                 raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary ({self.vocab_size})")

@@ -1,0 +1,191 @@
+"""MFU arithmetic against a hand count, the peak-FLOPs table, and metrics.jsonl reading/writing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+
+from maester.config import ModelConfig
+from maester.models.build import build_on_meta, count_parameters, resolve_args
+from maester.train.metrics import (MetricsWriter, flops_per_token, matmul_parameters, model_flops_per_token,
+                                   peak_flops, read_metrics)
+
+
+def meta_model(**overrides):
+    cfg = ModelConfig(flavor="tiny", overrides=overrides)
+    return build_on_meta(cfg, resolve_args(cfg, 259))
+
+
+def hand_count(d: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int) -> dict:
+    """Every parameter of a Llama, written out."""
+    q = d * (heads * head_dim)
+    k = d * (kv_heads * head_dim)
+    v = d * (kv_heads * head_dim)
+    o = (heads * head_dim) * d
+    mlp = 3 * d * ffn  # gate, up, down
+    norms = 2 * d  # attention_norm, ffn_norm
+    per_layer = q + k + v + o + mlp + norms
+    body = layers * per_layer + d  # + final norm
+    return {"body": body, "embedding": vocab * d, "head": vocab * d}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_matmul_parameters_and_flops_match_a_hand_count(tied):
+    model = meta_model(tie_embeddings=tied)
+    # The tiny flavor: dim 64, 2 layers, 4 heads, 2 KV heads (head_dim 16), ffn 192; vocab 259 -> 320.
+    d, layers, heads, kv, hd, ffn, vocab = 64, 2, 4, 2, 16, 192, 320
+    a = model.args
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.resolved_head_dim, a.ffn_hidden_dim, a.vocab_size) == \
+        (d, layers, heads, kv, hd, ffn, vocab)
+
+    # Per layer: q 64*64 = 4096, k 64*2*16 = 2048, v 2048, o 4096, mlp 3*64*192 = 36864, norms 128.
+    per_layer = 4096 + 2048 + 2048 + 4096 + 36864 + 128
+    assert per_layer == 49280
+    body = 2 * per_layer + 64  # final norm
+    assert body == 98624
+    embedding = head = 320 * 64  # 20480
+    assert hand_count(d, layers, heads, kv, hd, ffn, vocab) == {"body": body, "embedding": embedding, "head": head}
+
+    if tied:
+        # One matrix, used as the output head: it is counted (once).
+        assert count_parameters(model) == body + embedding == 119104
+        n = body + embedding
+    else:
+        # The input embedding is a lookup, not a matmul: excluded; the separate head is counted.
+        assert count_parameters(model) == body + embedding + head == 139584
+        n = body + head
+    assert matmul_parameters(model) == n == 119104
+
+    seq_len = 128
+    attention = 12 * layers * heads * hd * seq_len  # 12 * 2 * 4 * 16 * 128
+    assert attention == 196608
+    assert model_flops_per_token(model, seq_len) == 6 * n + attention == 6 * 119104 + 196608 == 911232
+    assert flops_per_token(n, layers, heads, hd, seq_len) == 911232
+    # Attention FLOPs grow with the sequence length, linearly.
+    assert model_flops_per_token(model, 256) - model_flops_per_token(model, 128) == attention
+
+
+def test_flops_use_the_head_dim_not_dim_over_heads():
+    # An explicit head_dim of 32 with 4 heads: attention width 128, twice the model width of 64.
+    model = meta_model(head_dim=32, n_layers=3, tie_embeddings=False)
+    d, layers, heads, kv, hd, ffn, vocab = 64, 3, 4, 2, 32, 192, 320
+    counts = hand_count(d, layers, heads, kv, hd, ffn, vocab)
+    # Per layer: q 64*128 = 8192, k 64*64 = 4096, v 4096, o 128*64 = 8192, mlp 36864, norms 128 -> 61568.
+    assert counts["body"] == 3 * (8192 + 4096 + 4096 + 8192 + 36864 + 128) + 64 == 184768
+    n = counts["body"] + counts["head"]
+    assert matmul_parameters(model) == n == 184768 + 20480
+    assert model_flops_per_token(model, 100) == 6 * n + 12 * 3 * 4 * 32 * 100
+
+
+def test_matmul_parameters_of_a_real_flavor():
+    # Llama 3.1 8B (untied): all parameters but the 128256 x 4096 input embedding.
+    cfg = ModelConfig(flavor="8B")
+    model = build_on_meta(cfg, resolve_args(cfg, 128256))
+    assert matmul_parameters(model) == 8_030_261_248 - 128256 * 4096
+    # Llama 3.2 1B (tied): the shared matrix is the head, so everything counts.
+    cfg = ModelConfig(flavor="1B")
+    model = build_on_meta(cfg, resolve_args(cfg, 128256))
+    assert matmul_parameters(model) == 1_235_814_400
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA H200 NVL", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA A100-PCIE-40GB", 312e12),
+    ("AMD Instinct MI250X", 191.5e12),
+    ("AMD Instinct MI250X/MI250", 191.5e12),
+    ("AMD Instinct MI250", 181e12),
+    ("AMD Instinct MI300X", 1307e12),
+    ("NVIDIA GeForce RTX 4090", None),
+    ("Tesla V100-SXM2-32GB", None),
+    ("", None),
+])
+def test_peak_flops_table(name, expected):
+    assert peak_flops(name) == expected
+
+
+# ---------------------------------------------------------------- metrics.jsonl
+
+
+def record(step: int, loss: float = 1.0) -> dict:
+    return {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_second": 1234.0,
+            "mfu": None, "data_loading_seconds": 0.01, "peak_memory_gib": 0.1}
+
+
+def test_read_metrics_keeps_the_last_record_per_step_and_tolerates_a_partial_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [record(1, 5.0), record(2, 4.0), record(3, 3.0),  # first run, killed after step 3
+             record(2, 4.5), record(3, 3.5), record(4, 2.0)]  # resumed from the step-1 checkpoint
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "loss": 1.'  # being written now
+    path.write_text(text)
+    got = read_metrics(path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["loss"] for r in got] == [5.0, 4.5, 3.5, 2.0]
+    # Blank lines are fine; a bad line that is not the last is an error naming file and line.
+    path.write_text(json.dumps(record(1)) + "\n\n" + "{oops\n" + json.dumps(record(2)) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3: not valid JSON")):
+        read_metrics(path)
+    path.write_text(json.dumps(record(2)) + "\n\n" + json.dumps(record(1)) + "\n")
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+
+
+class ListHandler(logging.Handler):
+    """Collects messages on the "maester" logger itself (it may not propagate once the trainer set it up)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, rec: logging.LogRecord) -> None:
+        self.messages.append(rec.getMessage())
+
+
+def test_metrics_writer_drops_a_partial_trailing_line_before_appending(tmp_path):
+    path = tmp_path / "job" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps(record(1)) + "\n" + json.dumps(record(2)) + "\n" + '{"step": 3, "loss": 0.')
+    writer = MetricsWriter(path)
+    # The partial line is gone as soon as the writer opens the file.
+    assert path.read_text() == json.dumps(record(1)) + "\n" + json.dumps(record(2)) + "\n"
+    logger, handler = logging.getLogger("maester"), ListHandler()
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        writer.write(record(3, loss=float("nan")))
+        writer.write(record(4, loss=0.25))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    writer.close()
+    lines = path.read_text().split("\n")
+    assert lines[-1] == ""
+    parsed = [json.loads(line) for line in lines[:-1]]  # every line is valid (strict) JSON
+    assert [r["step"] for r in parsed] == [1, 2, 3, 4]
+    assert parsed[2]["loss"] is None  # a non-finite float is written as null, not NaN
+    assert parsed[3]["loss"] == 0.25
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+    assert any("step 4" in m and "loss 0.2500" in m for m in handler.messages)  # and a console line
+
+
+def test_metrics_writer_on_a_lone_partial_line_and_a_new_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "lo')
+    MetricsWriter(path).close()
+    assert path.read_text() == ""
+    fresh = tmp_path / "new" / "dir" / "metrics.jsonl"
+    writer = MetricsWriter(fresh)
+    writer.write(record(7))
+    writer.close()
+    assert [r["step"] for r in read_metrics(fresh)] == [7]
+    # A complete file is left as it is.
+    before = fresh.read_text()
+    MetricsWriter(fresh).close()
+    assert fresh.read_text() == before
