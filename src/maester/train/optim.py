@@ -11,16 +11,10 @@ from maester.config import OptimizerConfig
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: `decay` (2-D+ weights) and `no_decay` (embeddings, norms, biases)."""
     decay, no_decay = [], []
-    decay_names, no_decay_names = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim < 2 or "embeddings" in name:
-            no_decay.append(p)
-            no_decay_names.append(name)
-        else:
-            decay.append(p)
-            decay_names.append(name)
+        (no_decay if p.ndim < 2 or "embeddings" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]
