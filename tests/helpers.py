@@ -49,3 +49,14 @@ def run_maester(args: list[str], cwd: Path, env: dict[str, str] | None = None,
                 timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "maester", *args], cwd=cwd, env=env or clean_env(),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N -m maester ARGS` on this machine (gloo on CPU)."""
+    env = env or clean_env()
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", "-m", "maester", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 OVERRIDES_HELP = "then any number of config overrides: --section.key=value or --section.key value"
@@ -15,6 +16,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train from a config file or a job directory (resumes automatically)",
                        epilog=OVERRIDES_HELP)
     p.add_argument("target", help="a config file (TOML/YAML/JSON) or a job directory jobs/<name>")
+
+    p = sub.add_parser("seed-checkpoint", epilog=OVERRIDES_HELP,
+                       help="initialise the model on one process and save it as the job's step-0 checkpoint")
+    p.add_argument("target", help="a config file or a job directory")
 
     p = sub.add_parser("submit", help="create the job directory jobs/<name> for a config", epilog=OVERRIDES_HELP)
     p.add_argument("config", help="a config file (TOML/YAML/JSON)")
@@ -42,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-TAKES_OVERRIDES = {"train", "submit", "config"}
+TAKES_OVERRIDES = {"train", "seed-checkpoint", "submit", "config"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,11 +69,29 @@ def _train(args) -> None:
     from maester.jobs.job_dir import config_for_target, write_job_dir
     from maester.train.trainer import Trainer
 
+    import torch.distributed as dist
+
+    cfg, job_dir = config_for_target(args.target, args.overrides)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        write_job_dir(cfg, job_dir)
+    try:
+        result = Trainer(cfg, job_dir).train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        print(f"trained to step {result.step}; job directory {job_dir}"
+              + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""))
+
+
+def _seed_checkpoint(args) -> None:
+    from maester.jobs.job_dir import config_for_target, write_job_dir
+    from maester.train.trainer import write_seed_checkpoint
+
     cfg, job_dir = config_for_target(args.target, args.overrides)
     write_job_dir(cfg, job_dir)
-    result = Trainer(cfg, job_dir).train()
-    print(f"trained to step {result.step}; job directory {job_dir}"
-          + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""))
+    print(f"seed checkpoint {write_seed_checkpoint(cfg, job_dir)}")
 
 
 def _submit(args) -> None:
@@ -119,4 +142,4 @@ def _plot(args) -> None:
     print(plot_loss(Path(args.job), Path(args.out) if args.out else None))
 
 
-COMMANDS = {"train": _train, "submit": _submit, "config": _config, "generate": _generate, "plot": _plot}
+COMMANDS = {"train": _train, "seed-checkpoint": _seed_checkpoint, "submit": _submit, "config": _config, "generate": _generate, "plot": _plot}

@@ -162,10 +162,29 @@ class ScheduleConfig(Section):
 
 
 class ParallelConfig(Section):
+    """How the job is spread over ranks: world = dp_replicate x dp_shard x tp.
+
+    dp_shard > 1: FSDP2 (HSDP when dp_replicate > 1 too); dp_replicate > 1 alone: DDP; tp > 1: tensor and
+    sequence parallel with loss-parallel cross-entropy, combinable with FSDP/HSDP.
+    """
+
     dp_replicate: int = Field(1, ge=1)
     dp_shard: int = Field(-1, ge=-1)
     """-1: all remaining ranks."""
     tp: int = Field(1, ge=1)
+    fsdp_reshard_after_forward: bool = True
+    """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward)."""
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """FSDP compute dtype of parameters; `auto`: bfloat16 on GPU, float32 on CPU."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP gradient reduction dtype."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory."""
+    activation_checkpointing: Literal["none", "full", "selective-op"] = "none"
+    activation_checkpointing_every: int = Field(1, ge=1)
+    """Checkpoint every N-th transformer block (1: all of them)."""
+    compile: bool = False
+    """`torch.compile` each transformer block."""
 
     @model_validator(mode="after")
     def _check_shard(self) -> "ParallelConfig":

@@ -141,6 +141,6 @@ def test_resume_on_different_data_is_refused(corpus, tmp_path):
         make_trainer(other, tmp_path, "d", training__steps=8)
 
 
-def test_parallel_layout_needing_more_processes_is_refused(corpus, tmp_path):
-    with pytest.raises(ValueError, match="needs 2 processes"):
+def test_layout_that_does_not_fit_one_process_is_refused(corpus, tmp_path):
+    with pytest.raises(ValueError, match="does not divide the 1 process"):
         make_trainer(corpus, tmp_path, "p", parallel__tp=2)

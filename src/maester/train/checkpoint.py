@@ -97,19 +97,29 @@ class Checkpointer:
             return None
         return resolve_checkpoint(link)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict,
              config_json: str) -> Path:
+        """Write checkpoint `step` (a collective call: every rank writes its shards), then move `latest` to it.
+
+        Without an optimizer only the model is written (a seed checkpoint).
+        """
         final = self.dir / f"step-{step}"
         tmp = self.dir / f"step-{step}.tmp"
         if self.rank == 0:
             self._remove_unfinished()
             self.dir.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        _barrier()
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
         with _single_process_ok():
-            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+            dcp.save(state, checkpoint_id=tmp)
         maybe_crash("during_save", step)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(capture_rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
+        _barrier()  # every rank's files are on disk before the rename makes the checkpoint visible
         if self.rank == 0:
             _write_durably(tmp / "config.json", config_json)
             _write_durably(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}, indent=2))
@@ -119,6 +129,7 @@ class Checkpointer:
             _fsync_dir(self.dir)
             self._point_latest_to(final)
             self._apply_retention(step)
+        _barrier()
         return final
 
     def _point_latest_to(self, target: Path) -> None:
@@ -147,7 +158,14 @@ class Checkpointer:
                 shutil.rmtree(trash)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Restore model, optimizer and this rank's RNG; returns the trainer state (step, data position)."""
+        """Restore model, optimizer and this rank's RNG; returns the trainer state (step, data position).
+
+        A seed checkpoint restores the model only: the run starts at step 0 with a fresh optimizer.
+        """
+        trainer_state = json.loads((path / TRAINER_STATE).read_text())
+        if trainer_state.get("seed_checkpoint"):
+            load_model_weights(path, model)
+            return trainer_state
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
         with _single_process_ok():
@@ -158,7 +176,7 @@ class Checkpointer:
             restore_rng_state(torch.load(rng_file, weights_only=False))
         else:
             log.warning("checkpoint %s has no RNG state for rank %d (saved on fewer ranks)", path, self.rank)
-        return json.loads((path / TRAINER_STATE).read_text())
+        return trainer_state
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
@@ -168,6 +186,11 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     with _single_process_ok():
         dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def _write_durably(path: Path, text: str) -> None:

@@ -15,10 +15,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import torch.distributed as dist
+
 from maester.config import Config
 from maester.data.loader import IGNORE_INDEX, build_loader
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_on_meta, count_parameters, materialize, resolve_args
+from maester.parallel.dims import ParallelDims, init_distributed
+from maester.parallel.parallelize import parallelize, uses_loss_parallel
 from maester.train.checkpoint import Checkpointer, load_model_weights, resolve_checkpoint
 from maester.train.faults import maybe_crash
 from maester.train.loss import cross_entropy_sum
@@ -36,15 +40,6 @@ class TrainResult:
     checkpoint: Path | None
 
 
-def select_device(cfg: Config) -> torch.device:
-    want = cfg.training.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("training.device = 'cuda' but no CUDA/ROCm device is available")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def autocast_context(cfg: Config, device: torch.device):
     precision = cfg.training.precision
     if precision == "auto":
@@ -60,27 +55,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_single_process_layout(cfg: Config) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 1:
-        raise ValueError(f"launched with WORLD_SIZE={world}, but this trainer runs one process: "
-                         f"use --nproc_per_node=1 (multi-process layouts are not supported yet)")
-    p = cfg.parallel
-    shard = 1 if p.dp_shard == -1 else p.dp_shard
-    needed = p.dp_replicate * shard * p.tp
-    if needed != 1:
-        raise ValueError(f"parallel layout dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} "
-                         f"needs {needed} processes, but this trainer runs one: set all degrees to 1 "
-                         f"(dp_shard may stay -1)")
-
-
-def setup_logging(job_dir: Path | None = None) -> None:
+def setup_logging(job_dir: Path | None = None, rank: int = 0) -> None:
+    """Console (and logs/train.log) on rank 0; other ranks report warnings and errors only."""
     root = logging.getLogger("maester")
+    if rank != 0:
+        root.setLevel(logging.WARNING)
+        job_dir = None
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
-        root.setLevel(logging.INFO)
+        root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         root.propagate = False
     if job_dir is not None:
         (job_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -91,37 +76,67 @@ def setup_logging(job_dir: Path | None = None) -> None:
             root.addHandler(fh)
 
 
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly distributed one (loss-parallel losses are replicated DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP); returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = full_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
 class Trainer:
     def __init__(self, cfg: Config, job_dir: Path):
         self.cfg, self.job_dir = cfg, Path(job_dir)
-        setup_logging(self.job_dir)
-        check_single_process_layout(cfg)
+        self.rank, self.world_size, self.device = init_distributed(cfg.training.device)
+        setup_logging(self.job_dir, self.rank)
+        self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         seed_everything(cfg.training.seed)
         if cfg.training.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        self.device = select_device(cfg)
 
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         args = resolve_args(cfg.model, self.tokenizer.vocab_size)
-        self.model = materialize(build_on_meta(cfg.model, args), self.device, cfg.training.seed)
+        if self.dims.tp > 1 and args.tie_embeddings:
+            raise ValueError("parallel.tp > 1 with tied embeddings is not supported: set tp = 1 or "
+                             "model.overrides.tie_embeddings = false")
+        model = parallelize(build_on_meta(cfg.model, args), self.dims, cfg.parallel, self.device)
+        init_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
+        self.model = materialize(model, init_device, cfg.training.seed)
+        self.loss_parallel = uses_loss_parallel(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         self.base_lrs = [cfg.optimizer.lr for _ in self.optimizer.param_groups]
+        self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
 
         t = cfg.training
         self.loader = build_loader(cfg.data, self.tokenizer, seed=t.seed,
                                    global_batch=cfg.sequences(t.global_batch_size),
-                                   micro_batch=cfg.sequences(t.micro_batch_size))
-        self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint)
+                                   micro_batch=cfg.sequences(t.micro_batch_size),
+                                   dp_rank=self.dims.dp_rank if self.world_size > 1 else 0,
+                                   dp_size=self.dims.dp_size)
+        self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
         self.step, self.tokens_seen = 0, 0
         self._resume_or_initialise()
-        log.info("model %s/%s: %s parameters; %d accumulation step(s) of %d sequence(s) x %d tokens; device %s",
-                 cfg.model.name, cfg.model.flavor, f"{count_parameters(self.model):,}",
-                 self.loader.accumulation_steps, self.loader.micro_batch, cfg.data.seq_len, self.device)
+        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d x tp %d; "
+                 "%d accumulation step(s) of %d sequence(s) x %d tokens per rank; device %s",
+                 cfg.model.name, cfg.model.flavor, f"{count_parameters(self.model):,}", self.world_size,
+                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.tp, self.loader.accumulation_steps,
+                 self.loader.micro_batch, cfg.data.seq_len, self.device)
 
     def _resume_or_initialise(self) -> None:
         latest = self.checkpointer.latest()
         if latest is not None:
             state = self.checkpointer.load(latest, self.model, self.optimizer)
+            if state.get("seed_checkpoint"):
+                log.info("initialised model weights from the seed checkpoint %s", latest)
+                return
             self.step = state["step"]
             self.tokens_seen = state.get("tokens_seen", 0)
             self.loader.load_state_dict(state["data"])
@@ -140,12 +155,13 @@ class Trainer:
         from tqdm import tqdm
 
         progress = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=not sys.stderr.isatty())
-        writer = MetricsWriter(self.job_dir / "metrics.jsonl", progress)
+                        disable=self.rank != 0 or not sys.stderr.isatty())
+        writer = MetricsWriter(self.job_dir / "metrics.jsonl", progress) if self.rank == 0 else None
         flops_per_token = model_flops_per_token(model, cfg.data.seq_len)
         peak = device_peak_flops(self.device)
         max_norm = cfg.training.max_grad_norm or math.inf
         params = [p for p in model.parameters() if p.requires_grad]
+        dp_size = self.dims.dp_size
         last_checkpoint, loss_value = None, None
         window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
         model.train()
@@ -159,22 +175,25 @@ class Trainer:
                     group["lr"] = base * lr_multiplier(cfg.schedule, self.step, total)
 
                 loss = self._forward_backward(micro_batches)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type != "mps")
+                grad_norm = clip_grad_norm(params, max_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                step_tokens = sum(b.num_tokens for b in micro_batches)
+                step_tokens = sum(b.num_tokens for b in micro_batches) * dp_size
                 window_tokens += step_tokens
                 self.tokens_seen += step_tokens
                 progress.update(1)
 
                 if self.step % cfg.logging.interval == 0 or self.step in (1, total):
+                    if self.dp_group is not None:  # each rank holds its share of the step's loss
+                        dist.all_reduce(loss, group=self.dp_group)
                     loss_value = loss.item()  # the only host sync of the step, on logging steps only
                     elapsed = time.perf_counter() - window_start
                     tps = window_tokens / elapsed
-                    writer.write({
+                    per_device = tps / self.world_size
+                    writer and writer.write({
                         "step": self.step, "loss": loss_value, "lr": optimizer.param_groups[0]["lr"],
                         "grad_norm": grad_norm.item(), "tokens_per_second": tps,
-                        "mfu": tps * flops_per_token / peak if peak else None,
+                        "mfu": per_device * flops_per_token / peak if peak else None,
                         "data_loading_seconds": window_data_s, "data_loading_share": window_data_s / elapsed,
                         "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
                         "epoch": self.loader.epoch,
@@ -189,23 +208,58 @@ class Trainer:
                 maybe_crash("after_step", self.step)
         finally:
             progress.close()
-            writer.close()
+            if writer is not None:
+                writer.close()
         return TrainResult(self.step, loss_value, last_checkpoint or self.checkpointer.latest())
 
     def _forward_backward(self, micro_batches) -> torch.Tensor:
-        """Loss normalised by the label tokens of the whole step, so the split into micro-batches is irrelevant."""
-        n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches).clamp(min=1)
+        """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step
+        over all data-parallel ranks, so neither the micro-batch split nor the number of ranks changes it.
+
+        FSDP and DDP average gradients over the data-parallel ranks; the backward loss is scaled by their number
+        to turn that average into the sum the normalisation needs.
+        """
+        n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
+        if self.dp_group is not None:
+            dist.all_reduce(n_labels, group=self.dp_group)
+        n_labels = n_labels.clamp(min=1)
+        scale = self.dims.dp_size if (self.dims.fsdp_enabled or self.dims.ddp_enabled) else 1
         total = torch.zeros((), device=self.device)
         for batch in micro_batches:
-            with autocast_context(self.cfg, self.device):
+            with self._loss_context(), autocast_context(self.cfg, self.device):
                 logits = self.model(batch.input_ids, batch.position_ids, batch.document_ids)
-            loss = cross_entropy_sum(logits, batch.labels) / n_labels
-            loss.backward()
-            total += loss.detach()
+                loss = cross_entropy_sum(logits, batch.labels) / n_labels
+                (loss * scale).backward()
+            total += full_value(loss.detach())
         return total
+
+    def _loss_context(self):
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def _checkpoint_due(self) -> bool:
         c = self.cfg.checkpoint
         if c.interval and self.step % c.interval == 0:
             return True
         return c.save_final and self.step == self.cfg.training.steps
+
+
+def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
+    """Initialise the model once, on one process, and save it as `step-0`: every layout that then trains the job
+    starts from the same weights, so runs on different layouts are comparable."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ValueError("a seed checkpoint is written by one process: run it without torchrun")
+    setup_logging(job_dir)
+    checkpointer = Checkpointer(job_dir, cfg.checkpoint)
+    if checkpointer.latest() is not None:
+        raise ValueError(f"{job_dir} already has a checkpoint ({checkpointer.latest().name}): a seed checkpoint "
+                         f"only starts a new job")
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    args = resolve_args(cfg.model, tokenizer.vocab_size)
+    model = materialize(build_on_meta(cfg.model, args), torch.device("cpu"), cfg.training.seed)
+    path = checkpointer.save(0, model, None, {"seed_checkpoint": True}, cfg.to_json())
+    log.info("wrote seed checkpoint %s", path)
+    return path

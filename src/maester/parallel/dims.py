@@ -1,0 +1,109 @@
+"""The parallel layout: degrees from the config and the world size, checked before any work, as a named DeviceMesh."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from maester.config import Config
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
+        """Resolve `dp_shard = -1` and refuse layouts that cannot work, saying what to change."""
+        p = cfg.parallel
+        fixed = p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard != -1 else 1)
+        if world_size % fixed:
+            raise ValueError(f"parallel layout dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} "
+                             f"does not divide the {world_size} process(es): make the product of the degrees "
+                             f"{'divide' if p.dp_shard == -1 else 'equal'} the world size")
+        shard = world_size // fixed if p.dp_shard == -1 else p.dp_shard
+        dims = cls(p.dp_replicate, shard, p.tp, world_size)
+        if dims.dp_replicate * dims.dp_shard * dims.tp != world_size:
+            raise ValueError(f"parallel layout dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} "
+                             f"= {dims.dp_replicate * dims.dp_shard * dims.tp} processes, but {world_size} "
+                             f"were launched: set parallel.dp_shard = -1 or launch that many")
+        dims._check_model_and_batch(cfg)
+        return dims
+
+    def _check_model_and_batch(self, cfg: Config) -> None:
+        p, args = cfg.parallel, cfg.model.architecture()
+        if self.tp > 1:
+            for name in ("n_heads", "n_kv_heads", "ffn_hidden_dim"):
+                if getattr(args, name) % self.tp:
+                    raise ValueError(f"parallel.tp = {self.tp} does not divide the model's {name} "
+                                     f"({getattr(args, name)}): choose a tp that divides it")
+            if cfg.data.seq_len % self.tp:
+                raise ValueError(f"parallel.tp = {self.tp} does not divide data.seq_len = {cfg.data.seq_len} "
+                                 f"(sequence parallel splits the sequence)")
+            if self.dp_shard == 1 and self.dp_replicate > 1:
+                raise ValueError("DDP (dp_replicate > 1 with dp_shard = 1) cannot be combined with tp: "
+                                 "use dp_shard (FSDP) or dp_replicate x dp_shard (HSDP) with tp")
+        if not self.fsdp_enabled:
+            for key, default in (("param_dtype", "auto"), ("cpu_offload", False)):
+                if getattr(p, key) != default:
+                    raise ValueError(f"parallel.{key} applies to FSDP only, but dp_shard = {self.dp_shard}")
+        micro = cfg.sequences(cfg.training.micro_batch_size)
+        glob = cfg.sequences(cfg.training.global_batch_size)
+        if glob % (micro * self.dp_size):
+            raise ValueError(f"global batch of {glob} sequences does not split into {self.dp_size} data-parallel "
+                             f"rank(s) x micro-batches of {micro}: make training.global_batch_size a multiple "
+                             f"of {micro * self.dp_size} sequences")
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def ddp_enabled(self) -> bool:
+        return self.dp_replicate > 1 and self.dp_shard == 1
+
+    @cached_property
+    def mesh(self):
+        """3-D mesh (dp_replicate, dp_shard, tp), with "dp" = dp_replicate x dp_shard flattened for data and loss."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = "cpu" if dist.get_backend() == "gloo" else "cuda"
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+
+def init_distributed(device_choice: str = "auto") -> tuple[int, int, torch.device]:
+    """Join the process group when launched by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
+
+    `device_choice` is `training.device`. Returns the rank, the world size and this rank's device.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_gpu = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    if use_gpu and not torch.cuda.is_available():
+        raise RuntimeError("training.device = 'cuda' but no CUDA/ROCm device is available")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_gpu:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+    if world == 1 and not dist.is_initialized():
+        return 0, 1, device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_gpu else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device

@@ -1,0 +1,138 @@
+"""Apply a parallel layout to a single-device model, in one fixed order:
+tensor/sequence parallel -> activation checkpointing -> per-block compile -> FSDP2 per block, then root (or DDP).
+
+Everything here is plain torch.distributed: DTensor `parallelize_module`, `checkpoint_wrapper`, `fully_shard`,
+`replicate`. The model must be on the meta device or already materialised; nothing here initialises weights.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from maester.config import ParallelConfig
+from maester.parallel.dims import ParallelDims
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device) -> nn.Module:
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims.mesh["tp"])
+    if cfg.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
+    if cfg.compile:
+        apply_compile(model)
+    if dims.fsdp_enabled:
+        mesh = dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.mesh["dp_shard"]
+        apply_fsdp(model, mesh, cfg, device)
+    elif dims.ddp_enabled:
+        from torch.distributed._composable import replicate
+
+        replicate(model, device_mesh=dims.mesh["dp_replicate"])
+    return model
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style TP with sequence parallel between blocks and a vocabulary-sharded output for loss parallel."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                              use_local_output=False)
+    parallelize_module(model, tp_mesh, root_plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
+            "attention.q_proj": ColwiseParallel(),
+            "attention.k_proj": ColwiseParallel(),
+            "attention.v_proj": ColwiseParallel(),
+            "attention.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.gate_proj": ColwiseParallel(),
+            "feed_forward.up_proj": ColwiseParallel(),
+            "feed_forward.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def uses_loss_parallel(model: nn.Module) -> bool:
+    """True when the logits come out as a vocabulary-sharded DTensor (TP with an untied head)."""
+    from torch.distributed.tensor import DTensor
+
+    output = getattr(model, "output", None)
+    return output is not None and isinstance(output.weight, DTensor) and "tp" in (
+        output.weight.device_mesh.mesh_dim_names or ())
+
+
+# Ops whose outputs selective checkpointing keeps: recomputing them costs the most.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+    """`full`: recompute the whole block in backward; `selective-op`: keep matmul and attention outputs."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    for i, (name, block) in enumerate(model.layers.named_children()):
+        if i % every:
+            continue
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False,
+                                         context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+        model.layers.register_module(name, wrapped)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each transformer block on its own: short compiles, one graph reused by every block."""
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+
+
+def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    param_dtype = cfg.param_dtype
+    if param_dtype == "auto":
+        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=dtypes[param_dtype], reduce_dtype=dtypes[cfg.reduce_dtype]),
+        "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+    }
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: no point resharding them.
+        reshard = cfg.fsdp_reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=cfg.fsdp_reshard_after_forward, **kwargs)

@@ -1,0 +1,70 @@
+"""Every parallel layout computes the same training run: real torchrun processes on CPU with gloo.
+
+Each job starts from the same seed checkpoint, so the only difference between runs is the layout.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from maester.config import load_config
+from maester.train.metrics import read_metrics
+from maester.train.trainer import Trainer, write_seed_checkpoint
+from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, torchrun
+
+STEPS = 5
+BASE = dict(training__steps=STEPS, training__global_batch_size=8, training__micro_batch_size=2,
+            checkpoint__interval=0, checkpoint__save_final="false", schedule__warmup_steps=1)
+
+LAYOUTS = {
+    "fsdp2": (2, {}),
+    "fsdp4": (4, {}),
+    "shard_grad_op2": (2, {"parallel__fsdp_reshard_after_forward": "false"}),
+    "hsdp2x2": (4, {"parallel__dp_replicate": 2}),
+    "ddp2": (2, {"parallel__dp_replicate": 2, "parallel__dp_shard": 1}),
+    "tp2": (2, {"parallel__tp": 2, "parallel__dp_shard": 1}),
+    "fsdp2_tp2": (4, {"parallel__tp": 2}),
+}
+
+
+def losses(job_dir) -> list[float]:
+    return [r["loss"] for r in read_metrics(job_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, from a seed checkpoint that every layout's job copies."""
+    from tests.helpers import write_corpus
+
+    root = tmp_path_factory.mktemp("layouts")
+    corpus = write_corpus(root / "data" / "corpus.parquet")
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "reference", **BASE), environ={})
+    write_seed_checkpoint(cfg, cfg.job_dir)
+    seed = root / "seed-checkpoints"
+    shutil.copytree(cfg.job_dir / "checkpoints", seed, symlinks=True)
+    Trainer(cfg, cfg.job_dir).train()
+    return root, corpus, seed, losses(cfg.job_dir)
+
+
+def prepare_job(root, corpus, seed, name, **extra):
+    job = root / "jobs" / name
+    out = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, **{**BASE, **extra})],
+                      root)
+    assert out.returncode == 0, out.stderr
+    shutil.rmtree(job / "checkpoints")
+    shutil.copytree(seed, job / "checkpoints", symlinks=True)
+    return job
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(reference, layout):
+    root, corpus, seed, expected = reference
+    nproc, extra = LAYOUTS[layout]
+    job = prepare_job(root, corpus, seed, layout, **extra)
+    run = torchrun(nproc, ["train", str(job)], root)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = losses(job)
+    assert len(got) == STEPS
+    assert got == pytest.approx(expected, rel=1e-5), (layout, got, expected)
