@@ -76,6 +76,18 @@ def setup_logging(job_dir: Path | None = None, rank: int = 0) -> None:
             root.addHandler(fh)
 
 
+def copy_single_process_init(model: torch.nn.Module, cfg: Config, args) -> None:
+    """Give a sharded CPU model exactly the weights one process would initialise.
+
+    DTensor random ops on CPU draw the same numbers on every rank, so shards would repeat each other; on CPU
+    (small models, tests, debugging) each rank instead builds the whole model and keeps its own shards.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = materialize(build_on_meta(cfg.model, args), torch.device("cpu"), cfg.training.seed)
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a possibly distributed one (loss-parallel losses are replicated DTensors)."""
     from torch.distributed.tensor import DTensor
@@ -104,12 +116,11 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         args = resolve_args(cfg.model, self.tokenizer.vocab_size)
-        if self.dims.tp > 1 and args.tie_embeddings:
-            raise ValueError("parallel.tp > 1 with tied embeddings is not supported: set tp = 1 or "
-                             "model.overrides.tie_embeddings = false")
         model = parallelize(build_on_meta(cfg.model, args), self.dims, cfg.parallel, self.device)
         init_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
         self.model = materialize(model, init_device, cfg.training.seed)
+        if self.world_size > 1 and self.device.type == "cpu":
+            copy_single_process_init(self.model, cfg, args)
         self.loss_parallel = uses_loss_parallel(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         self.base_lrs = [cfg.optimizer.lr for _ in self.optimizer.param_groups]

@@ -1,0 +1,46 @@
+"""Activation checkpointing (each mode) and per-block compile change memory and speed, never the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from maester.config import load_config
+from maester.train.metrics import read_metrics
+from maester.train.trainer import Trainer
+from tests.helpers import tiny_overrides
+
+RUN = dict(training__steps=3, checkpoint__interval=0, checkpoint__save_final="false", schedule__warmup_steps=1)
+
+
+def run_losses(corpus, tmp_path, name, **extra) -> list[float]:
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", name, **RUN, **extra), environ={})
+    trainer = Trainer(cfg, cfg.job_dir)
+    trainer.train()
+    return trainer, [r["loss"] for r in read_metrics(cfg.job_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("mode, every", [("full", 1), ("selective-op", 1), ("full", 2)])
+def test_activation_checkpointing_keeps_losses(corpus, tmp_path, mode, every):
+    _, plain = run_losses(corpus, tmp_path, "plain")
+    trainer, checkpointed = run_losses(corpus, tmp_path, f"ac-{mode}-{every}",
+                                       parallel__activation_checkpointing=mode,
+                                       parallel__activation_checkpointing_every=every)
+    wrapped = [type(b).__name__ for b in trainer.model.layers.values()]
+    assert wrapped == ["CheckpointWrapper" if i % every == 0 else "TransformerBlock" for i in range(len(wrapped))]
+    assert checkpointed == pytest.approx(plain, rel=1e-6)
+    # the wrappers do not leak into checkpoint names
+    assert all("_checkpoint_wrapped_module" not in k for k in _checkpoint_keys(trainer))
+
+
+def _checkpoint_keys(trainer):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return list(get_model_state_dict(trainer.model))
+
+
+def test_compile_keeps_losses(corpus, tmp_path):
+    _, plain = run_losses(corpus, tmp_path, "plain")
+    trainer, compiled = run_losses(corpus, tmp_path, "compiled", parallel__compile="true")
+    assert all(type(b).__name__ == "OptimizedModule" for b in trainer.model.layers.values())
+    assert compiled == pytest.approx(plain, rel=1e-5)
+    assert all("_orig_mod" not in k for k in _checkpoint_keys(trainer))

@@ -1,0 +1,42 @@
+"""Impossible layouts are refused before any work, with a message that says what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from maester.config import load_config
+from maester.parallel.dims import ParallelDims
+
+
+def dims(world, *overrides, flavor="tiny"):
+    cfg = load_config(None, [f"--model.flavor={flavor}", "--data.seq_len=32", *overrides], environ={})
+    return ParallelDims.from_config(cfg, world)
+
+
+def test_dp_shard_takes_the_remaining_ranks():
+    d = dims(8, "--parallel.dp_replicate=2", "--parallel.tp=2", "--training.global_batch_size=16",
+             "--training.micro_batch_size=2")
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.dp_size) == (2, 2, 2, 4)
+    assert d.fsdp_enabled and not d.ddp_enabled
+    assert dims(2, "--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch_size=2",
+                "--training.global_batch_size=4").ddp_enabled
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (4, ["--parallel.tp=3"], "does not divide the 4 process(es)"),
+    (4, ["--parallel.dp_shard=2"], "= 2 processes, but 4 were launched"),
+    (8, ["--parallel.tp=8"], "does not divide the model's n_heads (4)"),
+    (4, ["--parallel.tp=4"], "does not divide the model's n_kv_heads (2)"),
+    (2, ["--parallel.tp=2", "--data.seq_len=33"], "does not divide data.seq_len = 33"),
+    (4, ["--parallel.tp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=1"], "DDP"),
+    (2, ["--parallel.tp=2", "--model.overrides.tie_embeddings=true"], "tied embeddings"),
+    (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.param_dtype=bfloat16"],
+     "parallel.param_dtype applies to FSDP only"),
+    (1, ["--parallel.cpu_offload=true"], "parallel.cpu_offload applies to FSDP only"),
+    (4, ["--training.global_batch_size=8", "--training.micro_batch_size=4"],
+     "make training.global_batch_size a multiple of 16 sequences"),
+])
+def test_bad_layouts(world, overrides, message):
+    with pytest.raises(ValueError) as info:
+        dims(world, *overrides)
+    assert message in str(info.value)
