@@ -15,6 +15,7 @@ import yaml
 from maester.config import Config, ConfigError, load_config, parse_cli_overrides, parse_value
 
 DEMO = Path(__file__).parents[1] / "configs" / "demo.toml"
+DEMO_FILE = tomllib.loads(DEMO.read_text())  # what the file says, independent of the loader under test
 
 # The file layer of the precedence tests: steps/seed differ from the defaults (1000/0), lr from the default.
 FILE_TREE = {
@@ -105,7 +106,7 @@ def test_later_command_line_override_wins():
 
 def test_environment_is_not_read_when_environ_is_given(monkeypatch):
     monkeypatch.setenv("MAESTER_TRAINING__STEPS", "77")
-    assert load_config(DEMO, [], environ={}).training.steps == 240
+    assert load_config(DEMO, [], environ={}).training.steps == DEMO_FILE["training"]["steps"]
     assert load_config(DEMO, []).training.steps == 77  # environ=None: the process environment
 
 
@@ -363,9 +364,10 @@ def test_tokens_unit_must_be_a_multiple_of_seq_len():
 
 
 def test_warmup_must_not_exceed_steps():
-    message = _error(DEMO, ["--schedule.warmup_steps=241"])
-    assert "schedule.warmup_steps (241)" in message and "training.steps (240)" in message
-    assert load_config(DEMO, ["--schedule.warmup_steps=240"], environ={}).schedule.warmup_steps == 240
+    steps = DEMO_FILE["training"]["steps"]
+    message = _error(DEMO, [f"--schedule.warmup_steps={steps + 1}"])
+    assert f"schedule.warmup_steps ({steps + 1})" in message and f"training.steps ({steps})" in message
+    assert load_config(DEMO, [f"--schedule.warmup_steps={steps}"], environ={}).schedule.warmup_steps == steps
 
 
 @pytest.mark.parametrize("key", ["path", "bos_token", "eos_token", "pad_token"])
@@ -452,7 +454,9 @@ def _round_trips(cfg: Config, tmp_path: Path) -> None:
 def test_demo_config_round_trips(tmp_path):
     cfg = load_config(DEMO, [], environ={})
     # The demo file's values, not the defaults.
-    assert (cfg.training.steps, cfg.data.seq_len, cfg.schedule.name, cfg.optimizer.lr) == (240, 256, "wsd", 3e-3)
+    expected = (DEMO_FILE["training"]["steps"], DEMO_FILE["data"]["seq_len"], DEMO_FILE["schedule"]["name"],
+                DEMO_FILE["optimizer"]["lr"])
+    assert (cfg.training.steps, cfg.data.seq_len, cfg.schedule.name, cfg.optimizer.lr) == expected
     _round_trips(cfg, tmp_path)
 
 
