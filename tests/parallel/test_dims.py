@@ -32,7 +32,8 @@ def test_dp_shard_takes_the_remaining_ranks():
     (2, ["--parallel.tp=2", "--model.overrides.tie_embeddings=true"], "tied embeddings"),
     (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.param_dtype=bfloat16"],
      "parallel.param_dtype applies to FSDP only"),
-    (1, ["--parallel.cpu_offload=true"], "parallel.cpu_offload applies to FSDP only"),
+    (1, ["--parallel.cpu_offload=true", "--training.device=cuda"], "parallel.cpu_offload applies to FSDP only"),
+    (2, ["--parallel.cpu_offload=true", "--training.device=cpu"], "this run is on the CPU already"),
     (4, ["--training.global_batch_size=8", "--training.micro_batch_size=4"],
      "make training.global_batch_size a multiple of 16 sequences"),
 ])

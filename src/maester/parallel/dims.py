@@ -53,6 +53,10 @@ class ParallelDims:
             if self.dp_shard == 1 and self.dp_replicate > 1:
                 raise ValueError("DDP (dp_replicate > 1 with dp_shard = 1) cannot be combined with tp: "
                                  "use dp_shard (FSDP) or dp_replicate x dp_shard (HSDP) with tp")
+        on_gpu = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+        if p.cpu_offload and not on_gpu:
+            raise ValueError("parallel.cpu_offload moves FSDP shards from GPU to CPU memory; this run is on the CPU "
+                             "already: set parallel.cpu_offload = false")
         if not self.fsdp_enabled:
             for key, default in (("param_dtype", "auto"), ("cpu_offload", False)):
                 if getattr(p, key) != default:
