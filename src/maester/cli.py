@@ -71,8 +71,11 @@ def _train(args) -> None:
 
     import torch.distributed as dist
 
-    cfg, job_dir = config_for_target(args.target, args.overrides)
+    from maester.train.trainer import setup_logging
+
     rank = int(os.environ.get("RANK", "0"))
+    setup_logging(None, rank)  # so that config updates are reported
+    cfg, job_dir = config_for_target(args.target, args.overrides)
     if rank == 0:
         write_job_dir(cfg, job_dir)
     try:
