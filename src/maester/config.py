@@ -83,24 +83,46 @@ class ModelConfig(Section):
 
 
 class TokenizerConfig(Section):
-    kind: Literal["byte", "hf"] = "byte"
-    """`byte`: 256 byte values plus special tokens, no files. `hf`: a Hugging Face `tokenizer.json`."""
+    kind: Literal["byte", "hf", "sentencepiece", "tiktoken"] = "byte"
+    """`byte`: 256 byte values plus special tokens, no files. `hf`: a Hugging Face `tokenizer.json`.
+    `sentencepiece`: a SentencePiece `.model` file. `tiktoken`: a local BPE rank file (`<base64 token> <rank>`
+    per line, as `cl100k_base.tiktoken` or Llama 3's `tokenizer.model`)."""
     path: str | None = None
-    """For `hf`: the `tokenizer.json` file or the directory that holds it."""
+    """For `hf`: the `tokenizer.json` file or the directory that holds it; else the model / rank file."""
     bos_token: str | None = None
     eos_token: str | None = None
     pad_token: str | None = None
-    """Special-token strings; for `hf` they default to those in `tokenizer_config.json` beside the file."""
+    """Special-token strings; for `hf` they default to those in `tokenizer_config.json` beside the file, for
+    `sentencepiece` to the model's own BOS/EOS/pad pieces; `tiktoken` has no defaults (EOS is required)."""
+    pattern: str | None = None
+    """`tiktoken` only: the pre-tokenization regex; None: the cl100k_base pattern (also Llama 3's)."""
+    special_tokens: dict[str, int] = Field(default_factory=dict)
+    """`tiktoken` only: special tokens after the ranks, token string -> id, e.g. `{"<|end_of_text|>" = 128001}`."""
+    control_tokens: dict[str, str] = Field(default_factory=dict)
+    """Marker text -> special-token string, e.g. `{"<<<|user|>>>" = "<|user|>"}`: markers in the text become that
+    special token's id, the text between them is tokenized normally; unmapped `<<<|name|>>>` stay text."""
 
     @model_validator(mode="after")
     def _check_path(self) -> "TokenizerConfig":
-        if self.kind == "hf" and not self.path:
-            raise ValueError("tokenizer.path is required when tokenizer.kind = 'hf'")
+        if self.kind != "byte" and not self.path:
+            raise ValueError(f"tokenizer.path is required when tokenizer.kind = {self.kind!r}")
         if self.kind == "byte":
             given = [k for k in ("path", "bos_token", "eos_token", "pad_token") if getattr(self, k) is not None]
             if given:
                 raise ValueError(f"tokenizer.{given[0]} must not be set when tokenizer.kind = 'byte' "
                                  "(its special tokens are fixed)")
+        if self.kind != "tiktoken":
+            given = [k for k in ("pattern", "special_tokens") if getattr(self, k)]
+            if given:
+                raise ValueError(f"tokenizer.{given[0]} is only used when tokenizer.kind = 'tiktoken' "
+                                 f"(it is {self.kind!r})")
+        for name, tid in self.special_tokens.items():
+            if not name or tid < 0:
+                raise ValueError(f"tokenizer.special_tokens: {name!r} = {tid}: need a non-empty token and an id >= 0")
+        for marker, token in self.control_tokens.items():
+            if not marker or not token:
+                raise ValueError(f"tokenizer.control_tokens: {marker!r} = {token!r}: marker and token must be "
+                                 "non-empty")
         return self
 
 

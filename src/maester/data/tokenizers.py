@@ -1,12 +1,27 @@
-"""Tokenizers behind one small interface: encode, decode, special-token ids and vocabulary size."""
+"""Tokenizers behind one small interface: encode, decode, special-token ids and vocabulary size.
+
+Kinds: bytes, a Hugging Face `tokenizer.json`, a SentencePiece `.model`, a tiktoken BPE rank file. `encode` never
+adds BOS/EOS (the data pipeline does, explicitly). `ControlTokens` wraps any of them so that markers in the text
+(`<<<|user|>>>`) become the ids of real special tokens (`<|user|>`).
+"""
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
+import re
+from collections import Counter
 from pathlib import Path
 from typing import Protocol
 
 from maester.config import TokenizerConfig
+
+logger = logging.getLogger("maester")
+
+# cl100k_base's pre-tokenization regex (Llama 3 uses the same splits): the default for `tiktoken` rank files.
+CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+                  r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 
 
 class Tokenizer(Protocol):
@@ -50,6 +65,10 @@ class ByteTokenizer:
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one of the three special tokens, else None."""
+        return 256 + self.SPECIAL_TOKENS.index(token) if token in self.SPECIAL_TOKENS else None
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (fast tokenizer), loaded from a local file or directory.
@@ -86,6 +105,9 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {self.path}: special token {token!r} is not in the vocabulary")
         return tid
 
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -94,6 +116,224 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece `.model` file. BOS/EOS/pad are the model's own unless named in the config.
+
+    `encode` adds no BOS/EOS; control symbols (the model's BOS/EOS, `control_symbols`) are never produced from
+    text. User-defined symbols are, by SentencePiece's design: that is what the model was trained to do.
+    """
+
+    def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None):
+        import sentencepiece as spm
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"sentencepiece model {path} does not exist")
+        self.path = path
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"sentencepiece model {path}: cannot be loaded: {e}") from e
+        self.vocab_size = self._sp.get_piece_size()
+
+        def pick(token: str | None, model_id: int) -> int | None:
+            if token is not None:
+                return self._token_id(token)
+            return model_id if model_id >= 0 else None
+
+        self.bos_id = pick(bos_token, self._sp.bos_id())
+        eos_id = pick(eos_token, self._sp.eos_id())
+        if eos_id is None:
+            raise ValueError(f"sentencepiece model {path}: no EOS token (the model has none): "
+                             "set tokenizer.eos_token")
+        self.eos_id: int = eos_id
+        self.pad_id = pick(pad_token, self._sp.pad_id())
+
+    def token_to_id(self, token: str) -> int | None:
+        tid = self._sp.piece_to_id(token)
+        if tid == self._sp.unk_id() and token != self._sp.id_to_piece(tid):
+            return None  # piece_to_id answers unk for pieces it does not know
+        return tid
+
+    def _token_id(self, token: str) -> int:
+        tid = self.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"tokenizer {self.path}: special token {token!r} is not in the vocabulary")
+        return tid
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int, add_bos=False, add_eos=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts), out_type=int, add_bos=False, add_eos=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(list(ids))
+
+
+class TiktokenTokenizer:
+    """A tiktoken BPE built offline from a local rank file (`<base64 token> <rank>` per line).
+
+    `special_tokens` (token -> id) are added after the ranks; BOS/EOS/pad must be among them. Special-token
+    text inside ordinary text is encoded as ordinary text, never as the special id.
+    """
+
+    def __init__(self, path: str | Path, pattern: str | None = None, special_tokens: dict[str, int] | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None):
+        import tiktoken
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tiktoken rank file {path} does not exist")
+        self.path = path
+        ranks = _read_rank_file(path)
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:
+            raise ValueError(f"tiktoken rank file {path}: {len(missing)} of the 256 single bytes have no rank "
+                             f"(first: {missing[0]}); every byte needs one")
+        special_tokens = dict(special_tokens or {})
+        by_id = {rank: token for token, rank in ranks.items()}
+        for token, tid in special_tokens.items():
+            if tid in by_id:
+                raise ValueError(f"tiktoken rank file {path}: special token {token!r} has id {tid}, which is "
+                                 f"already the rank of {by_id[tid]!r}")
+            by_id[tid] = token
+        if eos_token is None:
+            raise ValueError(f"tiktoken rank file {path}: no EOS token: set tokenizer.eos_token (and list it "
+                             "in tokenizer.special_tokens)")
+        self.special_tokens = special_tokens
+        self._enc = tiktoken.Encoding(name=f"maester:{path.name}", pat_str=pattern or CL100K_PATTERN,
+                                      mergeable_ranks=ranks, special_tokens=special_tokens)
+        self.vocab_size = self._enc.n_vocab
+        self.bos_id = self._token_id(bos_token) if bos_token else None
+        self.eos_id = self._token_id(eos_token)
+        self.pad_id = self._token_id(pad_token) if pad_token else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.special_tokens.get(token)
+
+    def _token_id(self, token: str) -> int:
+        tid = self.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"tokenizer {self.path}: special token {token!r} is not in the vocabulary "
+                             f"(tokenizer.special_tokens: {sorted(self.special_tokens)})")
+        return tid
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)  # = encode(text, disallowed_special=()): specials stay text
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(list(ids), errors="replace")
+
+
+def _read_rank_file(path: Path) -> dict[bytes, int]:
+    """The `<base64 token> <rank>` lines of a tiktoken rank file. (tiktoken's own `load_tiktoken_bpe` caches
+    files by path in a temp directory, so an edited local file could be read stale.)"""
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:
+            raise ValueError(f"tiktoken rank file {path}, line {n}: expected '<base64 token> <rank>', "
+                             f"got {line[:80]!r}") from e
+    if len(set(ranks.values())) != len(ranks):
+        raise ValueError(f"tiktoken rank file {path}: ranks are not unique")
+    return ranks
+
+
+class ControlTokens:
+    """Any tokenizer, plus markers in the text that become special-token ids.
+
+    `mapping` is marker text -> special-token string (`{"<<<|user|>>>": "<|user|>"}`). `encode` splits the text
+    on the markers (longest first), encodes each span between them with the inner tokenizer and puts the special
+    token's id at each marker. Text shaped like a marker (`<<<|name|>>>`) but not in the mapping stays ordinary
+    text; it is counted in `unknown_markers` (per name) and logged once per new name. `decode` gives the special
+    tokens' own text, not the markers.
+    """
+
+    UNKNOWN_MARKER = re.compile(r"<<<\|([^|<>\s]+)\|>>>")
+
+    def __init__(self, tokenizer: Tokenizer, mapping: dict[str, str]):
+        if not mapping:
+            raise ValueError("control tokens: the marker mapping is empty")
+        self.inner = tokenizer
+        self.mapping = dict(mapping)
+        lookup = getattr(tokenizer, "token_to_id", None)
+        if lookup is None:
+            raise TypeError(f"control tokens: {type(tokenizer).__name__} cannot look up special tokens")
+        self.marker_ids: dict[str, int] = {}
+        for marker, token in self.mapping.items():
+            if not marker:
+                raise ValueError("control tokens: a marker is empty")
+            tid = lookup(token)
+            if tid is None:
+                where = getattr(tokenizer, "path", None) or type(tokenizer).__name__
+                extra = (f" (its special tokens are only {', '.join(ByteTokenizer.SPECIAL_TOKENS)})"
+                         if isinstance(tokenizer, ByteTokenizer) else "")
+                raise ValueError(f"control tokens: marker {marker!r} maps to special token {token!r}, which is "
+                                 f"not in the vocabulary of tokenizer {where}{extra}")
+            self.marker_ids[marker] = tid
+        ordered = sorted(self.marker_ids, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(re.escape(m) for m in ordered) + ")")
+        self.unknown_markers: Counter[str] = Counter()
+        self.vocab_size = tokenizer.vocab_size
+        self.bos_id = tokenizer.bos_id
+        self.eos_id: int = tokenizer.eos_id
+        self.pad_id = tokenizer.pad_id
+
+    def __getattr__(self, name: str):  # e.g. `path`; only called for attributes not found on self
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.inner.token_to_id(token)
+
+    def _pieces(self, text: str) -> list[str | int]:
+        """Alternating spans (str) and special ids (int), empty spans dropped."""
+        parts = self._split.split(text)
+        out: list[str | int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                out.append(self.marker_ids[part])
+            elif part:
+                for name in self.UNKNOWN_MARKER.findall(part):
+                    if name not in self.unknown_markers:
+                        logger.warning("control tokens: marker <<<|%s|>>> is not in tokenizer.control_tokens; "
+                                       "it is tokenized as ordinary text", name)
+                    self.unknown_markers[name] += 1
+                out.append(part)
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        pieces = [self._pieces(t) for t in texts]
+        spans = [p for ps in pieces for p in ps if isinstance(p, str)]
+        encoded = iter(self.inner.encode_batch(spans) if spans else [])
+        out = []
+        for ps in pieces:
+            ids: list[int] = []
+            for p in ps:
+                if isinstance(p, int):
+                    ids.append(p)
+                else:
+                    ids.extend(next(encoded))
+            out.append(ids)
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(ids)
 
 
 def _special_tokens_from_tokenizer_config(path: Path) -> dict[str, str]:
@@ -114,6 +354,18 @@ def _special_tokens_from_tokenizer_config(path: Path) -> dict[str, str]:
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    tok: Tokenizer
     if cfg.kind == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(cfg.path, cfg.bos_token, cfg.eos_token, cfg.pad_token)
+        tok = ByteTokenizer()
+    elif cfg.kind == "hf":
+        tok = HFTokenizer(cfg.path, cfg.bos_token, cfg.eos_token, cfg.pad_token)
+    elif cfg.kind == "sentencepiece":
+        tok = SentencePieceTokenizer(cfg.path, cfg.bos_token, cfg.eos_token, cfg.pad_token)
+    elif cfg.kind == "tiktoken":
+        tok = TiktokenTokenizer(cfg.path, cfg.pattern, cfg.special_tokens, cfg.bos_token, cfg.eos_token,
+                                cfg.pad_token)
+    else:
+        raise ValueError(f"tokenizer.kind {cfg.kind!r} is unknown")
+    if cfg.control_tokens:
+        tok = ControlTokens(tok, cfg.control_tokens)
+    return tok
