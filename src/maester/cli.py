@@ -124,12 +124,10 @@ def _config(args) -> None:
 
 
 def _generate(args) -> None:
-    import torch
-
+    from maester.parallel.dims import init_distributed
     from maester.tools.generate import load_for_inference, sample
 
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    _, _, device = init_distributed(args.device)  # one process: no process group, just the device
     model, tokenizer, cfg = load_for_inference(args.target, device)
     prompt = ([tokenizer.bos_id] if cfg.data.add_bos else []) + tokenizer.encode(args.prompt)
     out = sample(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -201,14 +201,16 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     tps = window_tokens / elapsed
                     per_device = tps / self.world_size
-                    writer and writer.write({
+                    record = {
                         "step": self.step, "loss": loss_value, "lr": optimizer.param_groups[0]["lr"],
                         "grad_norm": grad_norm.item(), "tokens_per_second": tps,
                         "mfu": per_device * flops_per_token / peak if peak else None,
                         "data_loading_seconds": window_data_s, "data_loading_share": window_data_s / elapsed,
                         "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
                         "epoch": self.loader.epoch,
-                    })
+                    }
+                    if writer is not None:
+                        writer.write(record)
                     window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
 
                 if self._checkpoint_due():
