@@ -128,9 +128,24 @@ class TokenizerConfig(Section):
 
 class DataSourceConfig(Section):
     path: str
-    """A Parquet or JSONL file, a directory of them, a glob, or a built-in corpus (`builtin:pydoc`)."""
+    """Raw text: a Parquet or JSONL file, a directory of them, a glob, or a built-in corpus (`builtin:pydoc`).
+    Pre-tokenized: a Megatron/GPT-NeoX prefix without `.bin`/`.idx`, a glob of llm.c shards, or a nanoGPT bin."""
+    name: str | None = None
+    """Shown in the per-source metrics; default: the path's last component."""
+    format: Literal["auto", "parquet", "jsonl", "indexed", "llmc", "nanogpt"] = "auto"
+    """`auto`: from the suffix (`.parquet`, `.jsonl`), a prefix with `.idx`, or an llm.c header."""
     text_column: str = "text"
-    format: Literal["auto", "parquet", "jsonl"] = "auto"
+    """Raw text only: the column or JSON key holding each document."""
+    weight: float = Field(1.0, gt=0)
+    """Target share of the training tokens, relative to the other sources' weights."""
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
+    """Held out of training, always the same part: documents chosen by a hash (raw text), the tail of the
+    windows (pre-tokenized)."""
+
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        return self.path.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1] or self.path
 
 
 class DataConfig(Section):
@@ -138,9 +153,25 @@ class DataConfig(Section):
         default_factory=lambda: [DataSourceConfig(path="builtin:pydoc")], min_length=1)
     seq_len: int = Field(512, gt=0)
     add_bos: bool = False
-    """Put BOS before every document (EOS always follows one)."""
+    """Put BOS before every document (EOS always follows one). Raw text only."""
     document_masking: bool = False
     """Attention and positions restart at each document boundary inside a sequence."""
+    num_workers: int = Field(1, ge=0)
+    """Raw text: DataLoader processes that read and tokenize (0: in the training process). The stream does not
+    depend on it."""
+    chunk_documents: int = Field(1024, gt=0)
+    """Raw text: documents per chunk, the unit that is shuffled and dealt to streams (a Parquet row group is cut
+    into chunks of at most this many rows)."""
+    skip_invalid: bool = False
+    """Raw text: skip (and count, per source, in the metrics) records that are not a non-empty UTF-8 text
+    instead of stopping with an error naming the file and row."""
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self):
+        kinds = {s.format in ("indexed", "llmc", "nanogpt") for s in self.sources if s.format != "auto"}
+        if len(kinds) > 1:
+            raise ValueError("data.sources mixes raw text and pre-tokenized formats; use one kind per job")
+        return self
 
 
 class TrainingConfig(Section):
@@ -229,6 +260,9 @@ class CheckpointConfig(Section):
 
 class LoggingConfig(Section):
     interval: int = Field(10, gt=0)
+    eval_interval: int = Field(0, ge=0)
+    """Every this many steps (and at the last), the loss on the sources' held-out `validation_fraction` is
+    logged as `val_loss`; 0: never."""
 
 
 class Config(Section):
@@ -257,6 +291,9 @@ class Config(Section):
         if self.schedule.warmup_steps > t.steps:
             raise ValueError(f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
                              f"training.steps ({t.steps})")
+        if self.logging.eval_interval and not any(s.validation_fraction for s in self.data.sources):
+            raise ValueError("logging.eval_interval is set, but no data source holds out a validation split "
+                             "(set validation_fraction on a source)")
         return self
 
     @property

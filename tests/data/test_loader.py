@@ -1,9 +1,11 @@
-"""Text files -> token stream -> windows -> seeded, resumable, rank-splittable batches; errors name the record."""
+"""Raw text -> streams -> windows -> seeded, resumable, rank- and worker-independent batches; errors name the record."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from maester.config import DataConfig, DataSourceConfig
-from maester.data.loader import (IGNORE_INDEX, TokenWindows, WindowLoader, build_loader, documents_from_eos,
-                                 tokenize_documents)
-from maester.data.text_files import read_documents, resolve_files
+from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
+from maester.data.loader import IGNORE_INDEX, build_loader, documents_from_eos
+from maester.data.text_files import InvalidDocument, TextSource, resolve_files
+from maester.data.text_stream import TextLoader
 from maester.data.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()
+TOK_CFG = TokenizerConfig(kind="byte")
 BOS, EOS = TOK.bos_id, TOK.eos_id
 
 
@@ -37,232 +40,193 @@ def write_jsonl(path: Path, lines: list) -> Path:
     return path
 
 
-def data_cfg(*paths, seq_len: int = 8, **kwargs) -> DataConfig:
-    return DataConfig(sources=[DataSourceConfig(path=str(p)) for p in paths], seq_len=seq_len, **kwargs)
+def source(path, **kw) -> DataSourceConfig:
+    return DataSourceConfig(path=str(path), **kw)
 
 
-def expected_stream(docs: list[str], add_bos: bool) -> list[int]:
-    out = []
-    for d in docs:
-        out += ([BOS] if add_bos else []) + list(d.encode("utf-8")) + [EOS]
-    return out
+def data_cfg(*sources, seq_len: int = 16, num_workers: int = 0, chunk_documents: int = 4, **kw) -> DataConfig:
+    sources = [s if isinstance(s, DataSourceConfig) else source(s) for s in sources]
+    return DataConfig(sources=sources, seq_len=seq_len, num_workers=num_workers, chunk_documents=chunk_documents,
+                      **kw)
 
 
-# ---------------------------------------------------------------- tokenize_documents
+def loader(cfg: DataConfig, *, seed: int = 0, global_batch: int = 4, micro_batch: int = 2, dp_rank: int = 0,
+           dp_size: int = 1) -> TextLoader:
+    return build_loader(cfg, TOK_CFG, TOK, seed=seed, global_batch=global_batch, micro_batch=micro_batch,
+                        dp_rank=dp_rank, dp_size=dp_size)
 
 
-@pytest.mark.parametrize("add_bos", [False, True])
-def test_tokenize_documents_joins_sources_in_order_with_eos(tmp_path, add_bos):
-    pq_docs = ["first doc", "zweites Dokument: ü", "third"]
-    js_docs = ["fourth from jsonl", "fünfte 🚀"]
-    parquet = write_parquet(tmp_path / "a.parquet", pq_docs)
-    jsonl = write_jsonl(tmp_path / "b.jsonl", [{"text": d, "meta": i} for i, d in enumerate(js_docs)])
-    tokens = tokenize_documents(data_cfg(parquet, jsonl, add_bos=add_bos), TOK)
-    assert tokens.dtype == np.uint16  # 259 ids fit 16 bits
-    assert tokens.tolist() == expected_stream(pq_docs + js_docs, add_bos)
-    assert (tokens == EOS).sum() == 5
-    assert (tokens == BOS).sum() == (5 if add_bos else 0)
+def step_rows(ld) -> torch.Tensor:
+    """A step's windows (inputs plus the last label) as one (rows, seq_len + 1) tensor."""
+    batches = ld.next_step()
+    return torch.cat([torch.cat([b.input_ids, b.labels[:, -1:]], dim=1) for b in batches])
 
 
-def test_tokenize_documents_batches_do_not_change_the_stream(tmp_path):
-    docs = [f"document number {i}" for i in range(23)]
+def numbered_docs(n: int, width: int = 0) -> list[str]:
+    return [f"doc{i:05d}" + "x" * (width or (i * 7) % 23) for i in range(n)]
+
+
+def stream_documents(rows: list[torch.Tensor]) -> list[str]:
+    """Documents of one stream from its consecutive windows (they overlap by one token)."""
+    tokens = torch.cat([rows[0]] + [r[1:] for r in rows[1:]]).tolist()
+    text = bytes(t if t < 256 else 0 for t in tokens).decode()
+    return [d for d in text.split("\x00")]
+
+
+# ---------------------------------------------------------------- the stream
+
+
+def test_windows_join_documents_with_eos_and_every_token_is_a_label_once(tmp_path):
+    docs = numbered_docs(40)
     path = write_parquet(tmp_path / "d.parquet", docs)
-    whole = tokenize_documents(data_cfg(path), TOK)
-    small = tokenize_documents(data_cfg(path), TOK, batch_docs=4)
-    assert np.array_equal(whole, small)
-    assert whole.tolist() == expected_stream(docs, add_bos=False)
+    ld = loader(data_cfg(path, add_bos=True), global_batch=1, micro_batch=1)
+    rows = [step_rows(ld)[0] for _ in range(30)]
+    for a, b in zip(rows, rows[1:]):
+        assert a[-1] == b[0]  # stride seq_len: the last label is the next window's first input
+    batch = ld.next_step()[0]
+    assert torch.equal(batch.labels[:, :-1], batch.input_ids[:, 1:])
+    seen = stream_documents(rows)
+    # [BOS] doc EOS: every complete document in the stream is one of ours, whole, and none repeats
+    whole = [d for d in seen[1:-1]]
+    assert all(d.startswith(chr(0) if False else "") for d in whole)
+    texts = [bytes(t for t in d.encode() if t != BOS).decode() if False else d for d in whole]
+    tokens = torch.cat([rows[0]] + [r[1:] for r in rows[1:]]).tolist()
+    split = []
+    cur: list[int] = []
+    for t in tokens:
+        if t == EOS:
+            split.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    complete = split[:-1] if cur == [] else split
+    assert all(d[0] == BOS for d in complete)
+    texts = [bytes(d[1:]).decode() for d in complete]
+    assert len(texts) == len(set(texts)) and set(texts) <= set(docs)
+    assert len(texts) > 20
 
 
-def test_tokenize_documents_text_column_and_empty_data(tmp_path):
-    path = write_parquet(tmp_path / "c.parquet", ["abc", "de"], column="content")
-    cfg = DataConfig(sources=[DataSourceConfig(path=str(path), text_column="content")], seq_len=4)
-    assert tokenize_documents(cfg, TOK).tolist() == expected_stream(["abc", "de"], add_bos=False)
-    empty = write_parquet(tmp_path / "empty.parquet", [])
-    with pytest.raises(ValueError, match="no documents"):
-        tokenize_documents(data_cfg(empty), TOK)
+def test_order_depends_on_the_seed_only(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", numbered_docs(64))
+    a = [step_rows(loader(data_cfg(path), seed=1)) for _ in range(1)][0]
+    b = [step_rows(loader(data_cfg(path), seed=1)) for _ in range(1)][0]
+    c = [step_rows(loader(data_cfg(path), seed=2)) for _ in range(1)][0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-# ---------------------------------------------------------------- windows
+def test_mixing_follows_the_weights_within_two_percent_over_a_million_tokens(tmp_path):
+    rng = np.random.default_rng(0)
+    weights = {"a": 0.5, "b": 0.3, "c": 0.2}
+    sources = []
+    for name, w in weights.items():  # documents of one letter each, of very different lengths per source
+        mean = {"a": 60, "b": 400, "c": 1500}[name]
+        lengths = rng.integers(1, 2 * mean, size=400)
+        path = write_parquet(tmp_path / name / "part.parquet", [name * int(n) for n in lengths])
+        sources.append(source(tmp_path / name, weight=w * 10))
+    cfg = data_cfg(*sources, seq_len=512, chunk_documents=64)
+    ld = loader(cfg, global_batch=16, micro_batch=16)
+    counts: Counter = Counter()
+    total = 0
+    while total < 1_000_000:
+        (batch,) = ld.next_step()
+        values, n = torch.unique(batch.input_ids, return_counts=True)
+        counts.update(dict(zip(values.tolist(), n.tolist())))
+        total += batch.input_ids.numel()
+    letters = {name: counts[ord(name)] for name in weights}
+    text_tokens = sum(letters.values())
+    for name, w in weights.items():
+        assert abs(letters[name] / text_tokens - w) < 0.02, (name, letters[name] / text_tokens)
+    metrics = ld.source_metrics()
+    assert sum(m["tokens"] for m in metrics.values()) == total
+    for name, w in weights.items():
+        assert abs(metrics[name]["tokens"] / total - w) < 0.02
 
 
-def test_windows_have_seq_len_plus_one_tokens_and_every_label_once():
-    seq_len = 7
-    tokens = np.arange(100, dtype=np.int64)
-    windows = TokenWindows(tokens, seq_len)
-    assert len(windows) == (100 - 1) // seq_len == 14
-    labels = []
-    for i in range(len(windows)):
-        w = windows[i]
-        assert len(w) == seq_len + 1
-        assert w[0] == i * seq_len  # stride seq_len: the last token of a window is the first of the next
-        assert np.array_equal(w, np.arange(i * seq_len, i * seq_len + seq_len + 1))
-        labels += w[1:].tolist()
-    assert labels == list(range(1, len(windows) * seq_len + 1))  # each label exactly once, none skipped
-    # Exactly one window: seq_len + 1 tokens; fewer is an error.
-    assert len(TokenWindows(np.arange(8), 7)) == 1
-    with pytest.raises(ValueError, match="fewer than one sequence"):
-        TokenWindows(np.arange(7), 7)
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_worker_count_does_not_change_the_stream(tmp_path, num_workers):
+    path = write_parquet(tmp_path / "d.parquet", numbered_docs(120))
+    reference = loader(data_cfg(path, num_workers=0), global_batch=6, micro_batch=3)
+    workers = loader(data_cfg(path, num_workers=num_workers), global_batch=6, micro_batch=3)
+    try:
+        for _ in range(12):
+            assert torch.equal(step_rows(reference), step_rows(workers))
+        assert workers.state_dict() == reference.state_dict()
+    finally:
+        workers.close()
 
 
-def make_loader(n_windows: int = 10, seq_len: int = 4, *, seed: int = 0, global_batch: int = 4,
-                micro_batch: int = 2, dp_rank: int = 0, dp_size: int = 1, tokens=None, **kw) -> WindowLoader:
-    if tokens is None:
-        tokens = np.arange(n_windows * seq_len + 1, dtype=np.int64)
-    return WindowLoader(TokenWindows(tokens, seq_len), seed=seed, global_batch=global_batch,
-                        micro_batch=micro_batch, eos_id=EOS, dp_rank=dp_rank, dp_size=dp_size, **kw)
-
-
-def step_windows(loader: WindowLoader) -> list[int]:
-    """The window indices of one step's samples on this rank (tokens are positions: window = first // seq_len)."""
-    seq_len = loader.windows.seq_len
-    out = []
-    for batch in loader.next_step():
-        assert batch.input_ids.dtype == torch.int64 and batch.labels.dtype == torch.int64
-        assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == \
-            (loader.micro_batch, seq_len)
-        out += (batch.input_ids[:, 0] // seq_len).tolist()
-    return out
-
-
-def test_batches_are_shifted_windows():
-    loader = make_loader(n_windows=10, seq_len=4, global_batch=4, micro_batch=2)
-    assert loader.accumulation_steps == 2
-    batches = loader.next_step()
-    assert len(batches) == 2
-    for b in batches:
-        assert torch.equal(b.labels, b.input_ids + 1)  # labels are the next tokens
-        assert torch.equal(b.input_ids[:, 0] % 4, torch.zeros(2, dtype=torch.long))
-        assert torch.equal(b.position_ids, torch.arange(4).expand(2, 4))
-        assert b.document_ids is None
-        assert b.num_tokens == 8
-        assert not (b.labels == IGNORE_INDEX).any()
-
-
-def test_order_is_a_function_of_the_seed():
-    def run(seed):
-        loader = make_loader(n_windows=50, seed=seed, global_batch=5, micro_batch=5)
-        return [step_windows(loader) for _ in range(10)]
-
-    assert run(3) == run(3)
-    assert run(3) != run(4)
-    assert run(3) != [list(range(i * 5, i * 5 + 5)) for i in range(10)]  # shuffled, not sequential
-
-
-def test_each_epoch_visits_every_window_once_and_epochs_wrap():
-    n = 10
-    loader = make_loader(n_windows=n, global_batch=4, micro_batch=2)
-    seen = []
-    for _ in range(10):  # 40 samples = 4 epochs; steps straddle epoch boundaries (10 is not a multiple of 4)
-        seen += step_windows(loader)
-    assert loader.samples_consumed == 40 and loader.epoch == 4
-    epochs = [seen[i:i + n] for i in range(0, 40, n)]
-    for order in epochs:
-        assert sorted(order) == list(range(n))
-    assert len({tuple(e) for e in epochs}) > 1  # each epoch is reshuffled
-    # The epoch counter follows the samples consumed.
-    loader2 = make_loader(n_windows=n, global_batch=4, micro_batch=2)
-    epochs_at_step = []
-    for _ in range(5):
-        loader2.next_step()
-        epochs_at_step.append(loader2.epoch)
-    assert epochs_at_step == [0, 0, 1, 1, 2]
-
-
-def test_one_epoch_takes_every_token_after_the_first_as_a_label_once(tmp_path):
-    docs = [f"doc {i} " + "x" * (i % 7) for i in range(40)]
-    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
-    seq_len = 9
-    cfg = data_cfg(path, seq_len=seq_len)
-    loader = build_loader(cfg, TOK, seed=1, global_batch=2, micro_batch=1)
-    stream = tokenize_documents(cfg, TOK).astype(np.int64)
-    n = len(loader.windows)
-    assert n == (len(stream) - 1) // seq_len
-    assert n % 2 == 1  # the last step of the epoch spills into the next one
-    rows = []
-    while len(rows) < n:
-        for batch in loader.next_step():
-            assert torch.equal(batch.input_ids[0, 1:], batch.labels[0, :-1])
-            rows.append(tuple(batch.input_ids[0].tolist()) + (int(batch.labels[0, -1]),))
-    rows = rows[:n]
-    expected = [tuple(stream[i * seq_len:(i + 1) * seq_len + 1].tolist()) for i in range(n)]
-    assert sorted(rows) == sorted(expected)  # every window once in the epoch
-    labels = [t for row in rows for t in row[1:]]
-    assert sorted(labels) == sorted(stream[1:n * seq_len + 1].tolist())
-    assert len(stream) - 1 - n * seq_len < seq_len  # only a tail shorter than one sequence is left out
-
-
-def test_resume_from_state_dict_gives_the_same_batches():
-    reference = make_loader(n_windows=13, seed=7, global_batch=4, micro_batch=2)
-    ref_batches = [reference.next_step() for _ in range(9)]
-
-    first = make_loader(n_windows=13, seed=7, global_batch=4, micro_batch=2)
-    for _ in range(4):
-        first.next_step()
-    state = json.loads(json.dumps(first.state_dict()))  # survives serialisation
-    assert state["samples_consumed"] == 16
-
-    resumed = make_loader(n_windows=13, seed=7, global_batch=4, micro_batch=2)
+@pytest.mark.parametrize("stop", [1, 5, 13])
+def test_resume_at_any_step_equals_the_uninterrupted_stream(tmp_path, stop):
+    path = write_parquet(tmp_path / "d.parquet", numbered_docs(50))
+    cfg = data_cfg(path, document_masking=True)
+    whole = loader(cfg)
+    expected = [step_rows(whole) for _ in range(stop + 8)]
+    first = loader(cfg)
+    for _ in range(stop):
+        step_rows(first)
+    state = json.loads(json.dumps(first.state_dict()))  # as it travels through the checkpoint
+    resumed = loader(cfg)
     resumed.load_state_dict(state)
-    for step in range(4, 9):
-        for got, want in zip(resumed.next_step(), ref_batches[step], strict=True):
-            assert torch.equal(got.input_ids, want.input_ids)
-            assert torch.equal(got.labels, want.labels)
-            assert torch.equal(got.position_ids, want.position_ids)
+    for k in range(stop, stop + 8):
+        assert torch.equal(step_rows(resumed), expected[k])
 
 
-def all_ranks_step(loaders: list[WindowLoader]) -> list[int]:
-    out = []
-    for loader in loaders:  # rank order
-        out += step_windows(loader)
-    return out
+def merged_state(loaders) -> dict:
+    states = [ld.state_dict() for ld in loaders]
+    return {**states[0], "states": {k: v for s in states for k, v in s["states"].items()}}
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4), (4, 2)])
-def test_resume_on_another_dp_size_neither_repeats_nor_skips(before, after):
-    kw = dict(n_windows=11, seed=5, global_batch=8, micro_batch=2)
-    single = make_loader(**kw)
-    reference = [step_windows(single) for _ in range(7)]  # 56 samples: 5+ epochs, crossing boundaries
-
-    ranks = [make_loader(**kw, dp_rank=r, dp_size=before) for r in range(before)]
-    got = [all_ranks_step(ranks) for _ in range(3)]
-    states = [r.state_dict() for r in ranks]
-    assert all(s == states[0] for s in states)  # every rank holds the same (global) position
-    ranks = [make_loader(**kw, dp_rank=r, dp_size=after) for r in range(after)]
-    for r in ranks:
-        r.load_state_dict(states[0])
-        assert r.accumulation_steps == 8 // after // 2
-    got += [all_ranks_step(ranks) for _ in range(4)]
-    # At every step the ranks' samples, in rank order, are exactly the single-rank batch.
-    assert got == reference
-
-
-def test_loading_a_state_of_other_data_or_seed_raises():
-    loader = make_loader(n_windows=10, seed=0)
-    loader.next_step()
-    state = loader.state_dict()
-
-    other_tokens = np.arange(41, dtype=np.int64)
-    other_tokens[17] = 3
-    for other in (make_loader(tokens=other_tokens, seed=0),  # same length, one token differs
-                  make_loader(n_windows=11, seed=0),  # more data
-                  make_loader(n_windows=10, seq_len=4, seed=1),  # another seed
-                  make_loader(tokens=np.arange(41, dtype=np.int64), seq_len=5, seed=0)):  # another seq_len
-        with pytest.raises(ValueError, match="different data or another seed"):
-            other.load_state_dict(state)
-        assert other.samples_consumed == 0
-    same = make_loader(n_windows=10, seed=0)
-    same.load_state_dict(state)
-    assert same.samples_consumed == 4
+def test_four_ranks_resume_on_two_and_cover_every_document_once_per_epoch(tmp_path):
+    # 64 documents of one length, 4 per chunk, 8 streams: every stream reads 2 chunks per epoch in lockstep.
+    docs = numbered_docs(64, width=7)  # 15 characters + EOS = 16 tokens each
+    path = write_parquet(tmp_path / "d.parquet", docs)
+    cfg = data_cfg(path, seq_len=16)
+    single = loader(cfg, global_batch=8, micro_batch=1)
+    expected = [step_rows(single) for _ in range(16)]
+    four = [loader(cfg, global_batch=8, micro_batch=1, dp_rank=r, dp_size=4) for r in range(4)]
+    got = [torch.cat([step_rows(ld) for ld in four]) for _ in range(5)]
+    two = [loader(cfg, global_batch=8, micro_batch=2, dp_rank=r, dp_size=2) for r in range(2)]
+    for ld in two:
+        ld.load_state_dict(merged_state(four))
+    got += [torch.cat([step_rows(ld) for ld in two]) for _ in range(11)]
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    # one epoch is 64 x 16 tokens = 8 streams x 8 windows of 16: steps 0-7 hold each document once, so do 8-15
+    for steps in (range(8), range(8, 16)):
+        seen = [d for s in range(8) for d in stream_documents([got[k][s] for k in steps]) if len(d) == 15]
+        assert sorted(seen) == sorted(docs)
 
 
-def test_rank_split_must_divide():
+def test_resume_refuses_other_data_seed_or_batch(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", numbered_docs(30))
+    other = write_parquet(tmp_path / "e.parquet", numbered_docs(31))
+    ld = loader(data_cfg(path))
+    step_rows(ld)
+    state = ld.state_dict()
+    with pytest.raises(ValueError, match="different data or another seed"):
+        loader(data_cfg(other)).load_state_dict(state)
+    with pytest.raises(ValueError, match="different data or another seed"):
+        loader(data_cfg(path), seed=9).load_state_dict(state)
+    with pytest.raises(ValueError, match="global batch of 4 sequences, now 8"):
+        loader(data_cfg(path), global_batch=8).load_state_dict(state)
+
+
+def test_rank_split_must_divide(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", numbered_docs(30))
     with pytest.raises(ValueError, match="does not split"):
-        make_loader(global_batch=6, micro_batch=2, dp_size=4)
-    with pytest.raises(ValueError, match="does not split"):
-        make_loader(global_batch=6, micro_batch=4, dp_size=1)
+        loader(data_cfg(path), global_batch=6, micro_batch=2, dp_size=4)
 
 
-# ---------------------------------------------------------------- document masking
+def test_document_masking_restarts_positions_after_each_eos(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", ["ab", "cde", "fghij"] * 10)
+    ld = loader(data_cfg(path, seq_len=12, document_masking=True), global_batch=1, micro_batch=1)
+    (batch,) = ld.next_step()
+    ids, docs, pos = batch.input_ids[0].tolist(), batch.document_ids[0].tolist(), batch.position_ids[0].tolist()
+    for i in range(1, len(ids)):
+        if ids[i - 1] == EOS:
+            assert docs[i] == docs[i - 1] + 1 and pos[i] == 0
+        else:
+            assert docs[i] == docs[i - 1] and pos[i] == pos[i - 1] + 1
 
 
 def test_documents_from_eos_hand_written():
@@ -285,24 +249,32 @@ def test_documents_from_eos_hand_written():
     ]))
 
 
-def test_loader_with_document_masking_sets_documents_and_positions():
-    #            doc 0     doc 1          doc 2
-    stream = np.array([1, 2, EOS, 3, 4, 5, EOS, 6, 7, 8, 9, 10, EOS], dtype=np.int64)
-    windows = TokenWindows(stream, 6)  # windows [0:7] and [6:13]
-    loader = WindowLoader(windows, seed=0, global_batch=2, micro_batch=2, eos_id=EOS, document_masking=True)
-    (batch,) = loader.next_step()
-    order = batch.input_ids[:, 0].tolist()
-    rows = {1: 0, EOS: 1}  # window 0 starts with token 1, window 1 with the EOS at index 6
-    assert sorted(order) == sorted(rows)
-    expected = {
-        1: ([1, 2, EOS, 3, 4, 5], [0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2]),
-        EOS: ([EOS, 6, 7, 8, 9, 10], [0, 1, 1, 1, 1, 1], [0, 0, 1, 2, 3, 4]),
-    }
-    for row, first in enumerate(order):
-        ids, docs, pos = expected[first]
-        assert batch.input_ids[row].tolist() == ids
-        assert batch.document_ids[row].tolist() == docs
-        assert batch.position_ids[row].tolist() == pos
+
+# ---------------------------------------------------------------- validation split
+
+
+def ids_in(rows: torch.Tensor) -> list[str]:
+    """Document numbers in consecutive input rows of one stream."""
+    text = bytes(t if t < 256 else 32 for t in rows.flatten().tolist()).decode()
+    return re.findall(r"doc(\d{5})", text)
+
+
+def test_validation_split_is_fixed_and_never_trained_on(tmp_path):
+    docs = numbered_docs(400, width=3)
+    path = write_parquet(tmp_path / "d.parquet", docs)
+    cfg = data_cfg(source(path, validation_fraction=0.1), seq_len=9)
+    held = []
+    for seed in (0, 1):
+        ld = loader(cfg, seed=seed, global_batch=4, micro_batch=4)
+        steps = [ld.next_step()[0].input_ids for _ in range(200)]  # past one epoch of the training part
+        trained = {d for r in range(4) for d in ids_in(torch.stack([x[r] for x in steps]))}
+        val = torch.cat([b.input_ids for b in ld.validation_batches(micro_batch=3)])
+        validation = set(ids_in(val))
+        assert 20 < len(validation) < 70  # about 10% of 400
+        assert not trained & validation
+        assert len(trained | validation) >= 399  # the validation stream drops its last partial window
+        held.append(validation)
+    assert held[0] == held[1]  # the same documents whatever the seed
 
 
 # ---------------------------------------------------------------- files and errors
@@ -328,95 +300,121 @@ def test_resolve_files_directory_and_glob_sorted(tmp_path):
     assert resolve_files(DataSourceConfig(path=str(root / "sub" / "*.md"), format="jsonl")) == [root / "sub" / "notes.md"]
 
 
-def test_resolve_files_glob_is_sorted_regardless_of_creation_order(tmp_path):
-    names = ["m.jsonl", "c.jsonl", "x.jsonl", "a.jsonl"]
-    for name in names:
-        write_jsonl(tmp_path / name, [{"text": name}])
-    files = resolve_files(DataSourceConfig(path=str(tmp_path / "*.jsonl")))
-    assert [f.name for f in files] == sorted(names)
-    cfg = data_cfg(tmp_path / "*.jsonl")
-    assert tokenize_documents(cfg, TOK).tolist() == expected_stream(sorted(names), add_bos=False)
-
 
 def test_missing_sources_are_errors_naming_the_path(tmp_path):
-    missing_dir = tmp_path / "no_such_dir"
     with pytest.raises(FileNotFoundError, match="no_such_dir.*does not exist"):
-        resolve_files(DataSourceConfig(path=str(missing_dir)))
+        loader(data_cfg(tmp_path / "no_such_dir"))
     with pytest.raises(FileNotFoundError, match=r"nothing_here_\*\.parquet.*matches no"):
-        resolve_files(DataSourceConfig(path=str(tmp_path / "nothing_here_*.parquet")))
-    (tmp_path / "emptydir").mkdir()
-    (tmp_path / "emptydir" / "x.txt").write_text("x")
-    with pytest.raises(FileNotFoundError, match="emptydir.*matches no"):
-        resolve_files(DataSourceConfig(path=str(tmp_path / "emptydir")))
-    with pytest.raises(FileNotFoundError, match="no_such_dir"):
-        tokenize_documents(data_cfg(missing_dir), TOK)
+        loader(data_cfg(tmp_path / "nothing_here_*.parquet"))
 
 
 def test_parquet_without_the_text_column_names_the_file(tmp_path):
     path = write_parquet(tmp_path / "cols.parquet", ["a", "b"], column="body")
     with pytest.raises(ValueError, match="no column 'text'") as err:
-        tokenize_documents(data_cfg(path), TOK)
-    assert str(path) in str(err.value)
-    assert "body" in str(err.value)  # lists the columns there are
+        loader(data_cfg(path))
+    assert str(path) in str(err.value) and "body" in str(err.value)
 
 
-def test_parquet_null_text_names_the_file_and_row(tmp_path):
+def first_error(cfg: DataConfig) -> str:
+    ld = loader(cfg, global_batch=1, micro_batch=1)
+    with pytest.raises(InvalidDocument) as err:
+        for _ in range(200):
+            ld.next_step()
+    return str(err.value)
+
+
+def test_parquet_bad_rows_name_file_and_row(tmp_path):
     texts = [f"row {i}" for i in range(2500)]
     texts[2345] = None
-    # Several row groups and read batches: the row number counts over all of them.
-    path = write_parquet(tmp_path / "nulls.parquet", texts, row_group_size=1000)
-    assert pq.ParquetFile(path).num_row_groups == 3
-    with pytest.raises(ValueError, match="row 2345") as err:
-        list(read_documents(path, DataSourceConfig(path=str(path))))
-    assert str(path) in str(err.value)
-    with pytest.raises(ValueError, match=re.escape(f"{path}: row 2345")):
-        tokenize_documents(data_cfg(path), TOK)
+    texts[1500] = ""
+    path = write_parquet(tmp_path / "bad.parquet", texts, row_group_size=1000)
+    src = TextSource(source(path), 1024)
+    records = list(src.documents())
+    assert isinstance(records[2345], InvalidDocument) and f"{path}: row 2345" in str(records[2345])
+    assert "null, not text" in str(records[2345])
+    assert "empty document" in str(records[1500]) and "row 1500" in str(records[1500])
+    assert re.search(re.escape(str(path)) + r": row (2345|1500)", first_error(data_cfg(path, chunk_documents=2500)))
 
 
 def test_parquet_non_string_column_is_an_error(tmp_path):
     path = tmp_path / "ints.parquet"
     pq.write_table(pa.table({"text": [1, 2, 3]}), path)
-    with pytest.raises(ValueError, match="row 0.*int"):
-        tokenize_documents(data_cfg(path), TOK)
+    assert "row 0: field 'text' holds int, not text" in first_error(data_cfg(path))
 
 
 def test_unreadable_parquet_names_the_file(tmp_path):
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"this is not parquet")
     with pytest.raises(ValueError, match="broken.parquet: not a readable Parquet file"):
-        tokenize_documents(data_cfg(path), TOK)
-
-
-def test_jsonl_bad_line_names_file_and_line(tmp_path):
-    path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "one"}, "", {"text": "three"}, "{not json", {"text": "5"}])
-    with pytest.raises(ValueError, match=re.escape(f"{path}:4: not valid JSON")):
-        tokenize_documents(data_cfg(path), TOK)
+        loader(data_cfg(path))
 
 
 @pytest.mark.parametrize("line,problem", [
+    ("{not json", "not valid JSON"),
     ('{"body": "x"}', "no field 'text'"),
     ('["text"]', "no field 'text'"),
-    ('{"text": null}', "holds NoneType, not text"),
+    ('{"text": null}', "holds null, not text"),
     ('{"text": 3}', "holds int, not text"),
+    ('{"text": ""}', "empty document"),
+    ("", "blank line"),
 ])
 def test_jsonl_bad_records_name_file_and_line(tmp_path, line, problem):
-    path = write_jsonl(tmp_path / "rec.jsonl", [{"text": "ok"}, line])
-    with pytest.raises(ValueError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(problem)):
-        list(read_documents(path, DataSourceConfig(path=str(path))))
+    path = write_jsonl(tmp_path / "rec.jsonl", [{"text": "ok"}, line, {"text": "fine"}])
+    records = list(TextSource(source(path), 2).documents())
+    assert records[0] == "ok" and records[2] == "fine"
+    assert str(records[1]).startswith(f"{path}:2: ") and problem in str(records[1])
+    assert f"{path}:2: " in first_error(data_cfg(path, chunk_documents=8))
 
 
-def test_jsonl_blank_lines_are_skipped(tmp_path):
-    path = write_jsonl(tmp_path / "blank.jsonl", [{"text": "a"}, "", "   ", {"text": "b"}])
-    assert list(read_documents(path, DataSourceConfig(path=str(path)))) == ["a", "b"]
+def test_jsonl_invalid_utf8_names_the_line(tmp_path):
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    records = list(TextSource(source(path), 8).documents())
+    assert records[0] == "ok" and f"{path}:2: not valid UTF-8" in str(records[1])
 
 
-def test_fingerprint_sees_a_change_anywhere_in_the_stream():
-    import numpy as np
+def test_skip_invalid_skips_and_counts_per_source(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": f"good {i}"} for i in range(20)])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "b1"}, "{oops", {"text": ""}, {"text": "b2"}, {"x": 1}])
+    cfg = data_cfg(good, bad, skip_invalid=True, chunk_documents=8)
+    ld = loader(cfg, global_batch=2, micro_batch=2)
+    seen = []
+    for _ in range(40):
+        (batch,) = ld.next_step()
+        seen.append(batch.input_ids)
+    metrics = ld.source_metrics()
+    bad_counts = metrics["bad.jsonl"]
+    # 3 invalid records for every 2 valid ones, up to the partly read epoch of each of the 2 streams
+    assert bad_counts["skipped"] > 0 and abs(bad_counts["skipped"] - 1.5 * bad_counts["documents"]) <= 6
+    assert metrics["good.jsonl"]["skipped"] == 0
+    text = bytes(t if t < 256 else 10 for t in torch.cat(seen).flatten().tolist()).decode()
+    assert "b1" in text and "b2" in text and "oops" not in text
 
-    from maester.data.loader import TokenWindows
 
-    tokens = np.arange(3_000_000, dtype=np.uint32) % 250
-    changed = tokens.copy()
-    changed[1_500_000] += 1  # the middle, far from both ends
-    assert TokenWindows(tokens, 16).fingerprint() != TokenWindows(changed, 16).fingerprint()
-    assert TokenWindows(tokens, 16).fingerprint() == TokenWindows(tokens.copy(), 16).fingerprint()
+def test_jsonl_and_parquet_give_the_same_stream(tmp_path):
+    docs = numbered_docs(30)
+    a = loader(data_cfg(write_parquet(tmp_path / "p" / "d.parquet", docs)))
+    b = loader(data_cfg(write_jsonl(tmp_path / "j" / "d.jsonl", [{"text": d} for d in docs])))
+    for _ in range(6):
+        assert torch.equal(step_rows(a), step_rows(b))
+
+
+def test_the_data_directory_is_only_read(tmp_path):
+    root = tmp_path / "data"
+    write_parquet(root / "a.parquet", numbered_docs(40))
+    write_jsonl(root / "b.jsonl", [{"text": d} for d in numbered_docs(40)])
+    def snapshot():
+        return sorted((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*"))
+    before = snapshot()
+    for p in root.rglob("*"):
+        p.chmod(0o444 if p.is_file() else 0o555)
+    root.chmod(0o555)
+    try:
+        ld = loader(data_cfg(root, num_workers=1))
+        for _ in range(10):
+            ld.next_step()
+        ld.state_dict()
+        ld.close()
+    finally:
+        root.chmod(0o755)
+    assert snapshot() == before

@@ -49,8 +49,10 @@ def test_elastic_resume_continues_the_loss_curve(uninterrupted):
     for i, nproc in enumerate(ranks):
         state = leg(nproc, job, 2 * (i + 1), root)
         assert state["step"] == 2 * (i + 1)
-        # the data position is global: 8 sequences per step, whatever the number of ranks
-        assert state["data"]["samples_consumed"] == 8 * state["step"]
+        # the data position is global: all 8 streams, gathered from every rank, one window per step each
+        streams = state["data"]["states"]
+        assert sorted(map(int, streams)) == list(range(8))
+        assert all(s["windows"] == state["step"] for s in streams.values())
     got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
     assert sorted(got) == list(range(1, 9))
     for step in range(1, 9):

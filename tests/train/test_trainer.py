@@ -145,3 +145,30 @@ def test_resume_on_different_data_is_refused(corpus, tmp_path):
 def test_layout_that_does_not_fit_one_process_is_refused(corpus, tmp_path):
     with pytest.raises(ValueError, match="does not divide the 1 process"):
         make_trainer(corpus, tmp_path, "p", parallel__tp=2)
+
+
+def test_held_out_split_is_evaluated_and_logged(corpus, tmp_path):
+    trainer = make_trainer(corpus, tmp_path, training__steps=12, logging__eval_interval=6,
+                           data__sources=f'[{{"path":"{corpus}","validation_fraction":0.2}}]',
+                           checkpoint__save_final="false", checkpoint__interval=0)
+    trainer.train()
+    records = {r["step"]: r for r in read_metrics(trainer.job_dir / "metrics.jsonl")}
+    assert "loss" in records[6] and "val_loss" in records[6] and "val_loss" not in records[5]
+    assert records[12]["val_loss"] < records[6]["val_loss"] < 6.0
+    # what evaluate() reports is the mean token loss over the validation batches
+    batches = trainer.loader.validation_batches(2)
+    with torch.no_grad():
+        total = sum(torch.nn.functional.cross_entropy(trainer.model(b.input_ids, b.position_ids).flatten(0, 1),
+                                                      b.labels.flatten(), reduction="sum") for b in batches)
+    n = sum(b.labels.numel() for b in batches)
+    assert trainer.evaluate() == pytest.approx((total / n).item(), rel=1e-5)
+
+
+def test_eval_without_a_held_out_split_is_an_error(corpus, tmp_path):
+    with pytest.raises(ValueError, match="no data source holds out a validation split"):
+        make_trainer(corpus, tmp_path, logging__eval_interval=1)
+    tiny_split = f'[{{"path":"{corpus}","validation_fraction":0.001}}]'  # fewer held-out tokens than a window
+    trainer = make_trainer(corpus, tmp_path, training__steps=2, logging__eval_interval=1, data__sources=tiny_split,
+                           checkpoint__save_final="false", checkpoint__interval=0)
+    with pytest.raises(ValueError, match="too few windows"):
+        trainer.train()

@@ -1,15 +1,43 @@
-"""Text documents from Parquet or JSONL files: find the files, read the text column, fail loudly on bad records."""
+"""Raw text documents in Parquet or JSONL files: find the files, read them by chunk, name the file and row of
+every bad record."""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from maester.config import DataSourceConfig
 
 SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+class InvalidDocument(ValueError):
+    """A record that cannot be a training document; the message names the file and the line or row."""
+
+
+def check_document(value, where: str, field: str) -> str:
+    """The text of one record, or InvalidDocument: not text, not valid UTF-8, or empty.
+
+    `where` locates the record (`file:line` or `file: row N`); `field` is the column or JSON key read.
+    """
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidDocument(f"{where}: field {field!r} is not valid UTF-8 (byte {e.start})") from None
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise InvalidDocument(f"{where}: field {field!r} holds {kind}, not text")
+    if not value:
+        raise InvalidDocument(f"{where}: field {field!r} is an empty document")
+    return value
 
 
 def resolve_files(source: DataSourceConfig) -> list[Path]:
@@ -42,45 +70,139 @@ def _file_format(path: Path, source: DataSourceConfig) -> str:
     return SUFFIXES[path.suffix]
 
 
-def read_documents(path: Path, source: DataSourceConfig) -> Iterator[str]:
-    """Every document's text in file order; a missing column, null or non-string text is an error."""
-    if _file_format(path, source) == "parquet":
-        yield from _read_parquet(path, source.text_column)
-    else:
-        yield from _read_jsonl(path, source.text_column)
+@dataclass(frozen=True)
+class Chunk:
+    """Rows `start : start + rows` of one file; never crosses a Parquet row group."""
+
+    file: int
+    start: int
+    rows: int
 
 
-def _read_parquet(path: Path, column: str) -> Iterator[str]:
+class TextSource:
+    """A raw-text source as a list of chunks of at most `chunk_documents` rows, read by chunk.
+
+    Only metadata is read up front (Parquet footers, JSONL line offsets); nothing is written anywhere, so the
+    data may live on a read-only filesystem. Recently read Parquet row groups are kept in a small cache.
+    """
+
+    CACHED_ROW_GROUPS = 4
+
+    def __init__(self, cfg: DataSourceConfig, chunk_documents: int):
+        self.cfg, self.column = cfg, cfg.text_column
+        self.files = resolve_files(cfg)
+        self.formats = [_file_format(f, cfg) for f in self.files]
+        self.chunks: list[Chunk] = []
+        self._row_groups: dict[int, list[tuple[int, int]]] = {}  # parquet file -> (first row, rows) per group
+        self._line_starts: dict[int, np.ndarray] = {}  # jsonl file -> byte offset of each line, plus the end
+        self.num_rows = 0
+        for i, (path, fmt) in enumerate(zip(self.files, self.formats)):
+            spans = self._parquet_row_groups(i, path) if fmt == "parquet" else [self._jsonl_lines(i, path)]
+            for first, rows in spans:
+                for start in range(first, first + rows, chunk_documents):
+                    self.chunks.append(Chunk(i, start, min(chunk_documents, first + rows - start)))
+                self.num_rows += rows
+        if not self.chunks:
+            raise ValueError(f"data source {cfg.path!r} holds no documents")
+        self._cache: OrderedDict[tuple[int, int], list] = OrderedDict()
+
+    def __getstate__(self):  # worker processes start with an empty cache
+        return {**self.__dict__, "_cache": OrderedDict()}
+
+    def _parquet_row_groups(self, i: int, path: Path) -> list[tuple[int, int]]:
+        meta = _open_parquet(path).metadata
+        if self.column not in meta.schema.names:
+            raise ValueError(f"{path}: no column {self.column!r} (columns: {', '.join(meta.schema.names)}); "
+                             f"set text_column on the data source")
+        groups, first = [], 0
+        for g in range(meta.num_row_groups):
+            rows = meta.row_group(g).num_rows
+            groups.append((first, rows))
+            first += rows
+        self._row_groups[i] = groups
+        return groups
+
+    def _jsonl_lines(self, i: int, path: Path) -> tuple[int, int]:
+        data = np.fromfile(path, dtype=np.uint8)
+        ends = np.flatnonzero(data == ord("\n")) + 1
+        if len(data) and (not len(ends) or ends[-1] != len(data)):
+            ends = np.append(ends, len(data))  # a last line without a newline
+        self._line_starts[i] = np.concatenate([[0], ends]).astype(np.int64)
+        return 0, len(ends)
+
+    def file_key(self, i: int) -> int:
+        """A stable number for file i: a hash of its name relative to the source, not of its place on disk."""
+        path = self.files[i]
+        root = Path(self.cfg.path)
+        name = path.relative_to(root).as_posix() if root.is_dir() else path.name
+        return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+    def read(self, chunk: Chunk) -> list[str | InvalidDocument]:
+        """The documents of a chunk in row order; a bad record is returned as its InvalidDocument."""
+        path = self.files[chunk.file]
+        if self.formats[chunk.file] == "jsonl":
+            starts = self._line_starts[chunk.file]
+            with open(path, "rb") as f:
+                f.seek(int(starts[chunk.start]))
+                blob = f.read(int(starts[chunk.start + chunk.rows] - starts[chunk.start]))
+            lines = blob.split(b"\n")[:chunk.rows]
+            return [_jsonl_document(line, f"{path}:{chunk.start + k + 1}", self.column)
+                    for k, line in enumerate(lines)]
+        values, first = self._row_group_values(chunk)
+        out: list[str | InvalidDocument] = []
+        for k in range(chunk.start, chunk.start + chunk.rows):
+            try:
+                out.append(check_document(values[k - first], f"{path}: row {k}", self.column))
+            except InvalidDocument as e:
+                out.append(e)
+        return out
+
+    def _row_group_values(self, chunk: Chunk) -> tuple[list, int]:
+        groups = self._row_groups[chunk.file]
+        g = next(g for g, (first, rows) in enumerate(groups) if first <= chunk.start < first + rows)
+        key = (chunk.file, g)
+        if key not in self._cache:
+            path = self.files[chunk.file]
+            try:
+                table = _open_parquet(path).read_row_group(g, columns=[self.column])
+            except Exception as e:
+                raise ValueError(f"{path}: row group {g} cannot be read: {e}") from e
+            self._cache[key] = table.column(0).to_pylist()
+            while len(self._cache) > self.CACHED_ROW_GROUPS:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return self._cache[key], groups[g][0]
+
+    def documents(self) -> Iterator[str | InvalidDocument]:
+        """Every record in file order."""
+        for chunk in self.chunks:
+            yield from self.read(chunk)
+
+
+def _open_parquet(path: Path):
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as e:
         raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
-    names = pf.schema_arrow.names
-    if column not in names:
-        raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(names)}); set text_column")
-    row = 0
-    for batch in pf.iter_batches(columns=[column], batch_size=4096):
-        values = batch.column(0).to_pylist()
-        for value in values:
-            if not isinstance(value, str):
-                raise ValueError(f"{path}: row {row}: column {column!r} holds {type(value).__name__}, not text")
-            yield value
-            row += 1
 
 
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {e}") from None
-            if not isinstance(record, dict) or field not in record:
-                raise ValueError(f"{path}:{lineno}: record has no field {field!r}")
-            if not isinstance(record[field], str):
-                raise ValueError(f"{path}:{lineno}: field {field!r} holds {type(record[field]).__name__}, not text")
-            yield record[field]
+def _jsonl_document(line: bytes, where: str, field: str) -> str | InvalidDocument:
+    line = line.rstrip(b"\r")
+    if not line.strip():
+        return InvalidDocument(f"{where}: blank line, not a JSON record")
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return InvalidDocument(f"{where}: not valid UTF-8 (byte {e.start})")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return InvalidDocument(f"{where}: not valid JSON: {e}")
+    if not isinstance(record, dict) or field not in record:
+        return InvalidDocument(f"{where}: record has no field {field!r}")
+    try:
+        return check_document(record[field], where, field)
+    except InvalidDocument as e:
+        return e

@@ -100,6 +100,14 @@ class MetricsWriter:
         else:
             log.info(line)
 
+    def write_eval(self, record: dict) -> None:
+        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
+        line = f"step {record['step']} | val_loss {record['val_loss']:.4f}"
+        if self.progress is not None and not self.progress.disable:
+            self.progress.write(line)
+        else:
+            log.info(line)
+
     def close(self) -> None:
         self._file.close()
 
@@ -129,7 +137,7 @@ def format_console_line(r: dict) -> str:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The logged steps of a job, in step order; a step logged again after a restart replaces the earlier line."""
+    """The logged steps of a job, in step order; a step logged again after a restart overrides the earlier line."""
     by_step: dict[int, dict] = {}
     lines = path.read_text().split("\n")
     for lineno, line in enumerate(lines, 1):
@@ -141,5 +149,5 @@ def read_metrics(path: Path) -> list[dict]:
             if lineno == len(lines):  # a running job may be writing its last line right now
                 break
             raise ValueError(f"{path}:{lineno}: not valid JSON") from None
-        by_step[record["step"]] = record
+        by_step[record["step"]] = {**by_step.get(record["step"], {}), **record}  # train and eval lines merge
     return [by_step[s] for s in sorted(by_step)]

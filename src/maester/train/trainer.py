@@ -127,13 +127,15 @@ class Trainer:
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
 
         t = cfg.training
-        self.loader = build_loader(cfg.data, self.tokenizer, seed=t.seed,
+        self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=t.seed,
                                    global_batch=cfg.sequences(t.global_batch_size),
                                    micro_batch=cfg.sequences(t.micro_batch_size),
                                    dp_rank=self.dims.dp_rank if self.world_size > 1 else 0,
-                                   dp_size=self.dims.dp_size)
+                                   dp_size=self.dims.dp_size, group=self.dp_group,
+                                   pin_memory=self.device.type == "cuda")
         self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
         self.step, self.tokens_seen = 0, 0
+        self._validation = None
         self._resume_or_initialise()
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d x tp %d; "
                  "%d accumulation step(s) of %d sequence(s) x %d tokens per rank; device %s",
@@ -207,11 +209,17 @@ class Trainer:
                         "mfu": per_device * flops_per_token / peak if peak else None,
                         "data_loading_seconds": window_data_s, "data_loading_share": window_data_s / elapsed,
                         "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
-                        "epoch": self.loader.epoch,
                     }
+                    for name, counts in self.loader.source_metrics().items():  # collective: every rank calls it
+                        record.update({f"data/{name}/{k}": v for k, v in counts.items()})
                     if writer is not None:
                         writer.write(record)
                     window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
+
+                if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == total):
+                    val_loss = self.evaluate()
+                    if writer is not None:
+                        writer.write_eval({"step": self.step, "val_loss": val_loss})
 
                 if self._checkpoint_due():
                     last_checkpoint = self.checkpointer.save(
@@ -220,6 +228,7 @@ class Trainer:
                     log.info("saved checkpoint %s", last_checkpoint)
                 maybe_crash("after_step", self.step)
         finally:
+            self.loader.close()
             progress.close()
             if writer is not None:
                 writer.close()
@@ -245,6 +254,28 @@ class Trainer:
                 (loss * scale).backward()
             total += full_value(loss.detach())
         return total
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss per label token over the held-out split of all sources (every rank takes the same number
+        of batches, so sharded forwards stay in step)."""
+        if self._validation is None:
+            self._validation = self.loader.validation_batches(self.loader.micro_batch)
+            if not self._validation:  # the same on every rank: each gets an equal share of the windows
+                raise ValueError("logging.eval_interval is set, but the held-out split of the data sources has "
+                                 "too few windows for every data-parallel rank (set validation_fraction on a source)")
+        self.model.eval()
+        totals = torch.zeros(2, device=self.device)
+        for batch in self._validation:
+            batch = batch.to(self.device)
+            with self._loss_context(), autocast_context(self.cfg, self.device):
+                logits = self.model(batch.input_ids, batch.position_ids, batch.document_ids)
+                totals[0] += full_value(cross_entropy_sum(logits, batch.labels).detach())
+            totals[1] += (batch.labels != IGNORE_INDEX).sum()
+        self.model.train()
+        if self.dp_group is not None:
+            dist.all_reduce(totals, group=self.dp_group)
+        return (totals[0] / totals[1].clamp(min=1)).item()
 
     def _loss_context(self):
         if not self.loss_parallel:

@@ -1,0 +1,192 @@
+"""Loader for pre-tokenized corpora: Megatron / GPT-NeoX indexed datasets, llm.c shards, nanoGPT bins.
+
+Each source is cut into `seq_len + 1` windows with stride `seq_len` (never across two files). Global sample g
+goes to the source whose slice of [0, 1) holds the golden-ratio point frac(g * phi), so every prefix of the
+stream follows the weights closely; a source's k-th sample is window perm_e(k mod n) of its training windows,
+with e = k div n its epoch and perm_e a seeded permutation evaluated in O(1) memory. Every rank computes the
+same global step and takes its slice: the state is the sample counter and one counter per source.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from maester.config import DataConfig, DataSourceConfig
+from maester.data.indexed import LLMC_MAGIC, IndexedDataset, read_llmc_shard, read_nanogpt_bin
+from maester.data.permutation import Permutation, seed_key
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / phi
+
+
+def source_format(cfg: DataSourceConfig) -> str:
+    """The format of a source: as configured, or told by its path (suffix, `.idx` beside it, llm.c header)."""
+    if cfg.format != "auto":
+        return cfg.format
+    path = cfg.path
+    if path.startswith("builtin:") or Path(path).is_dir():
+        return "text"
+    if Path(path + ".idx").is_file():
+        return "indexed"
+    first = sorted(glob.glob(path)) if any(ch in path for ch in "*?[") else [path]
+    if first and first[0].endswith(".bin") and Path(first[0]).is_file():
+        header = np.fromfile(first[0], dtype="<i4", count=1)
+        if len(header) and int(header[0]) == LLMC_MAGIC:
+            return "llmc"
+        raise ValueError(f"data source {path!r}: {first[0]} has no llm.c header; set format = 'nanogpt' for a raw "
+                         f"nanoGPT bin, or give an indexed dataset's prefix without .bin")
+    return "text"
+
+
+def _fingerprint_file(path: Path, h) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}:".encode())
+    with open(path, "rb") as f:  # the ends of the file: cheap on terabytes, and catches a rewrite
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+
+
+class TokenSource:
+    """One pre-tokenized source as windows; the last `validation_fraction` of them is held out."""
+
+    def __init__(self, cfg: DataSourceConfig, seq_len: int):
+        self.cfg, self.seq_len, self.format = cfg, seq_len, source_format(cfg)
+        self.indexed: IndexedDataset | None = None
+        if self.format == "indexed":
+            self.indexed = IndexedDataset(cfg.path)
+            self.files = [self.indexed.idx_path, self.indexed.bin_path]
+            self.pieces = [self.indexed.tokens()]
+        else:
+            matches = sorted(glob.glob(cfg.path)) if any(ch in cfg.path for ch in "*?[") else [cfg.path]
+            if not matches or not all(os.path.isfile(m) for m in matches):
+                raise FileNotFoundError(f"data source {cfg.path!r} matches no file")
+            read = read_llmc_shard if self.format == "llmc" else read_nanogpt_bin
+            self.files = [Path(m) for m in matches]
+            self.pieces = [read(m) for m in matches]
+        counts = [max(0, (len(p) - 1) // seq_len) for p in self.pieces]
+        self.ends = np.cumsum(counts)
+        total = int(self.ends[-1]) if len(counts) else 0
+        held = int(np.ceil(total * cfg.validation_fraction))
+        self.num_train = total - held
+        self.num_windows = total
+        if self.num_train < 1:
+            raise ValueError(f"data source {cfg.path!r} holds {total} window(s) of data.seq_len + 1 = {seq_len + 1} "
+                             f"tokens{f', {held} held out for validation' if held else ''}: nothing to train on")
+
+    def window(self, w: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Window w's tokens and, for indexed data, the document (sequence) index of each token."""
+        j = int(np.searchsorted(self.ends, w, side="right"))
+        i = w - (int(self.ends[j - 1]) if j else 0)
+        start = i * self.seq_len
+        tokens = np.asarray(self.pieces[j][start:start + self.seq_len + 1], dtype=np.int64)
+        if self.indexed is None:
+            return tokens, None
+        item = self.indexed.dtype.itemsize
+        offsets = np.arange(start, start + self.seq_len + 1, dtype=np.int64) * item
+        return tokens, np.searchsorted(self.indexed.pointers, offsets, side="right") - 1
+
+    def fingerprint(self, h) -> None:
+        h.update(json.dumps([self.cfg.path, self.format, self.cfg.weight, self.cfg.validation_fraction]).encode())
+        for f in self.files:
+            _fingerprint_file(Path(f), h)
+
+
+class TokenLoader:
+    """Each optimizer step's micro-batches for one data-parallel rank, from pre-tokenized sources."""
+
+    def __init__(self, cfg: DataConfig, tokenizer, *, seed: int, global_batch: int, micro_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1):
+        from maester.data.loader import check_batch_split
+
+        check_batch_split(global_batch, micro_batch, dp_size)
+        self.data, self.tokenizer, self.seed = cfg, tokenizer, seed
+        self.global_batch, self.micro_batch, self.dp_rank, self.dp_size = global_batch, micro_batch, dp_rank, dp_size
+        self.sources = [TokenSource(s, cfg.seq_len) for s in cfg.sources]
+        weights = np.array([s.weight for s in cfg.sources], dtype=np.float64)
+        self.bounds = np.cumsum(weights / weights.sum())[:-1]
+        self.samples = 0
+        self.counts = np.zeros(len(self.sources), dtype=np.int64)
+        self._fingerprint: str | None = None
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.global_batch // self.dp_size // self.micro_batch
+
+    def sources_of(self, first: int, n: int) -> np.ndarray:
+        """The source of global samples first .. first + n - 1: where frac(g * phi) falls among the weights."""
+        g = np.arange(first + 1, first + n + 1, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            u = (g * _GOLDEN).astype(np.float64) / 2.0 ** 64
+        return np.searchsorted(self.bounds, u, side="right")
+
+    def _take(self, p: int, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+        source = self.sources[p]
+        epoch, i = divmod(k, source.num_train)
+        return source.window(Permutation(source.num_train, seed_key(self.seed, p, epoch))[i])
+
+    def next_step(self) -> list:
+        src = self.sources_of(self.samples, self.global_batch)
+        k = np.empty(self.global_batch, dtype=np.int64)
+        for p in range(len(self.sources)):
+            where = np.flatnonzero(src == p)
+            k[where] = self.counts[p] + np.arange(len(where))
+            self.counts[p] += len(where)
+        self.samples += self.global_batch
+        per_rank = self.global_batch // self.dp_size
+        mine = range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        taken = [self._take(int(src[j]), int(k[j])) for j in mine]
+        return self._batches([t for t, _ in taken], [d for _, d in taken], self.micro_batch)
+
+    def _batches(self, tokens: list, docs: list, micro_batch: int) -> list:
+        from maester.data.loader import make_batch
+
+        rows = torch.from_numpy(np.stack(tokens)) if tokens else torch.zeros(0, self.data.seq_len + 1, dtype=torch.long)
+        doc_ids = torch.from_numpy(np.stack(docs)) if docs and docs[0] is not None else None
+        eos = self.tokenizer.eos_id
+        return [make_batch(rows[i:i + micro_batch], self.data.document_masking, eos,
+                           None if doc_ids is None else doc_ids[i:i + micro_batch])
+                for i in range(0, len(rows), micro_batch)]
+
+    def close(self) -> None:
+        pass
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"{self.data.seq_len}:".encode())
+            for s in self.sources:
+                s.fingerprint(h)
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def state_dict(self) -> dict:
+        return {"kind": "tokens", "fingerprint": self.fingerprint(), "seed": self.seed, "samples": self.samples,
+                "counts": self.counts.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "tokens":
+            raise ValueError("the checkpoint's data position is not from a pre-tokenized loader; refusing to resume")
+        if state["fingerprint"] != self.fingerprint() or state["seed"] != self.seed:
+            raise ValueError("the checkpoint's data position belongs to different data or another seed "
+                             f"(checkpoint fingerprint {state['fingerprint']}, seed {state['seed']}; now "
+                             f"{self.fingerprint()}, seed {self.seed}); refusing to resume on it")
+        self.samples = int(state["samples"])
+        self.counts = np.array(state["counts"], dtype=np.int64)
+
+    def source_metrics(self) -> dict[str, dict]:
+        """Tokens and epochs per source over the whole run (every rank computes the same numbers)."""
+        return {cfg.display_name(): {"tokens": int(c) * self.data.seq_len, "epochs": int(c) / s.num_train}
+                for cfg, s, c in zip(self.data.sources, self.sources, self.counts)}
+
+    def validation_batches(self, micro_batch: int) -> list:
+        """This rank's share of the held-out windows of every source (the same number on every rank)."""
+        taken = [s.window(w) for s in self.sources for w in range(s.num_train, s.num_windows)]
+        per_rank = len(taken) // self.dp_size
+        mine = taken[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        return self._batches([t for t, _ in mine], [d for _, d in mine], micro_batch)
