@@ -307,3 +307,20 @@ def test_reads_read_only_files(tmp_path):
         d.chmod(stat.S_IRWXU)
         for p in paths:
             p.chmod(0o644)
+
+
+def test_add_documents_in_bulk_writes_the_same_bytes_as_one_by_one(tmp_path):
+    docs = [np.arange(i, i + 3 * i + 1) % 300 for i in range(50)]
+    with IndexedDatasetWriter(tmp_path / "one", np.uint16) as w:
+        for d in docs:
+            w.add_document(d)
+    with IndexedDatasetWriter(tmp_path / "bulk", np.uint16) as w:
+        w.add_documents(np.concatenate(docs[:20]), [len(d) for d in docs[:20]])
+        w.add_documents(np.concatenate(docs[20:]), [len(d) for d in docs[20:]])
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"one{suffix}").read_bytes() == (tmp_path / f"bulk{suffix}").read_bytes()
+    with IndexedDatasetWriter(tmp_path / "bad", np.uint8) as w:
+        with pytest.raises(ValueError, match=r"document 2 holds tokens in"):
+            w.add_documents(np.array([1, 2, 3, 4, 300, 5]), [2, 2, 2])
+        with pytest.raises(ValueError, match="do not add up"):
+            w.add_documents(np.array([1, 2, 3]), [2, 2])

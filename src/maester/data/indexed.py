@@ -140,23 +140,35 @@ class IndexedDatasetWriter:
 
     def add_document(self, tokens) -> None:
         """Append one document (one sequence) of integer tokens; values outside the dtype's range are refused."""
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"{self.bin_path}: document {len(self._sizes)} has shape {arr.shape}, expected a 1-D "
+                             f"token list")
+        self.add_documents(arr, [arr.size])
+
+    def add_documents(self, tokens, lengths) -> None:
+        """Append several documents at once: `tokens` concatenated, `lengths` the size of each."""
         if self._done:
             raise RuntimeError(f"{self.idx_path}: writer is already finalized or aborted")
         doc = len(self._sizes)
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise ValueError(f"{self.bin_path}: document {doc} has shape {arr.shape}, expected a 1-D token list")
+        arr, lengths = np.asarray(tokens), np.asarray(lengths, dtype=np.int64)
+        if arr.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != arr.size:
+            raise ValueError(f"{self.bin_path}: documents from {doc}: {arr.size} tokens do not add up to the "
+                             f"lengths given ({int(lengths.sum())})")
         if arr.size and arr.dtype.kind not in "iu":
             raise ValueError(f"{self.bin_path}: document {doc} holds {arr.dtype}, not integer tokens")
-        if arr.size > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.bin_path}: document {doc} has {arr.size} tokens, more than 2**31 - 1")
+        if len(lengths) and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"{self.bin_path}: document {doc + int(lengths.argmax())} has {lengths.max()} tokens, "
+                             f"more than 2**31 - 1")
         if arr.size:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._info.min or hi > self._info.max:
-                raise ValueError(f"{self.bin_path}: document {doc} holds tokens in [{lo}, {hi}], outside "
+                bad = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(
+                    (arr < self._info.min) | (arr > self._info.max))[0]), side="right"))
+                raise ValueError(f"{self.bin_path}: document {doc + bad} holds tokens in [{lo}, {hi}], outside "
                                  f"{self.dtype}'s range [{self._info.min}, {self._info.max}]")
         self._bin.write(arr.astype(_le(self.dtype), copy=False).tobytes())
-        self._sizes.append(int(arr.size))
+        self._sizes.extend(lengths.tolist())
 
     def __len__(self) -> int:
         return len(self._sizes)

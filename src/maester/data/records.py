@@ -1,0 +1,409 @@
+"""Records streamed from JSONL (plain, `.gz`, `.zst`) and Parquet files, each bad one named by file and position.
+
+Inputs are files, directories (every data file under them) or globs, expanded in sorted order; the format comes
+from the suffix. JSONL is read as bytes, one line at a time, and decoded per line, so that invalid UTF-8 is one bad
+record at its `file:line` (lines count from 1), not a failure of the whole file. Parquet rows are named
+`file: row N` (rows count from 0).
+
+A bad record raises `InvalidRecord`, a ValueError whose `reason` says what kind of bad it is. A reader made with
+`skip_invalid=True` skips such records instead and counts them in `skipped`, by reason: nothing is dropped
+without being counted. A file that cannot be read at all (a corrupt Parquet file, a truncated `.gz`) is always an
+error, `UnreadableFile`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import io
+import json
+import os
+import zlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from maester.data.text_files import InvalidDocument, check_document
+
+# Suffix -> format, longest first so that `.jsonl.gz` is not taken for `.gz`.
+SUFFIX_FORMATS = (
+    (".jsonl.zstd", "jsonl.zst"), (".jsonl.zst", "jsonl.zst"), (".json.zst", "jsonl.zst"),
+    (".jsonl.gz", "jsonl.gz"), (".json.gz", "jsonl.gz"),
+    (".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"),
+)
+SUFFIXES_HELP = ".jsonl, .jsonl.gz, .jsonl.zst, .parquet"
+
+# Reasons a record is invalid, as counted in `RecordReader.skipped`.
+BLANK_LINE = "blank line"
+INVALID_UTF8 = "invalid UTF-8"
+MALFORMED_JSON = "malformed JSON"
+NOT_AN_OBJECT = "not a JSON object"
+MISSING_FIELD = "missing field"
+NOT_TEXT = "not text"
+EMPTY_DOCUMENT = "empty document"
+INVALID_MESSAGES = "invalid messages"
+
+_READ_BYTES = 1 << 20
+_PARQUET_BATCH_ROWS = 8192
+
+
+class InvalidRecord(InvalidDocument):
+    """One record that cannot be used; the message names its file and line or row, `reason` its kind."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):  # survives the trip back from a worker process
+        return type(self), (str(self), self.reason)
+
+
+class UnreadableFile(ValueError):
+    """A whole file that cannot be read: not Parquet, corrupt, truncated, or without the column asked for."""
+
+
+class Document(NamedTuple):
+    text: str
+    path: Path
+    line: int | None = None  # JSONL: 1-based line
+    row: int | None = None  # Parquet: 0-based row
+
+    @property
+    def where(self) -> str:
+        return _where(self.path, self.line, self.row)
+
+
+def _where(path: Path, line: int | None, row: int | None) -> str:
+    return f"{path}:{line}" if line is not None else f"{path}: row {row}"
+
+
+# --- finding the files ---------------------------------------------------------------------------------------------
+
+def input_format(path: Path) -> str:
+    """`jsonl`, `jsonl.gz`, `jsonl.zst` or `parquet`, from the file name; other suffixes are an error."""
+    found = _format_or_none(path)
+    if found is None:
+        raise ValueError(f"{path}: cannot tell the format from the file name; expected one of {SUFFIXES_HELP}")
+    return found
+
+
+def _format_or_none(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((fmt for suffix, fmt in SUFFIX_FORMATS if name.endswith(suffix)), None)
+
+
+def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
+    """The files of each input, in the order given: a file, every data file under a directory (sorted, hidden
+    files left out), or the matches of a glob (sorted)."""
+    if not inputs:
+        raise ValueError("no input files given")
+    files: list[Path] = []
+    for given in inputs:
+        text = os.fspath(given)
+        path = Path(text)
+        if path.is_file():
+            found = [path]
+        elif path.is_dir():
+            found = sorted((p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                            and _format_or_none(p)), key=str)
+            if not found:
+                raise FileNotFoundError(f"{text}: the directory holds no {SUFFIXES_HELP} files")
+        elif any(ch in text for ch in "*?["):
+            found = sorted((Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file()), key=str)
+            if not found:
+                raise FileNotFoundError(f"{text}: the pattern matches no files")
+        else:
+            raise FileNotFoundError(f"{text}: no such file or directory")
+        for f in found:
+            input_format(f)
+        files.extend(found)
+    return files
+
+
+# --- JSONL ------------------------------------------------------------------------------------------------------
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every frame of a zstd file. A file that ends inside a frame is an error
+    (zstandard's own stream reader returns the partial frame without one)."""
+
+    def __init__(self, path: Path):
+        import zstandard
+
+        self._dctx = zstandard.ZstdDecompressor()
+        self._file = open(path, "rb")
+        self._frame = None  # the decompressor of the frame being read; None between frames
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not len(self._pending):
+            if self._frame is not None and self._frame.eof:
+                data = self._frame.unused_data or self._file.read(_READ_BYTES)
+                self._frame = None
+            else:
+                data = self._file.read(_READ_BYTES)
+            if not data:
+                if self._frame is not None:
+                    raise EOFError("the file ends inside a zstd frame (truncated)")
+                return 0
+            if self._frame is None:
+                self._frame = self._dctx.decompressobj()
+            self._pending = memoryview(self._frame.decompress(data))
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _open_jsonl(path: Path, fmt: str):
+    if fmt == "jsonl.gz":
+        return gzip.open(path, "rb")
+    if fmt == "jsonl.zst":
+        return io.BufferedReader(_ZstdFrames(path), _READ_BYTES)
+    return open(path, "rb", buffering=_READ_BYTES)
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    import zstandard
+
+    return OSError, EOFError, zlib.error, zstandard.ZstdError
+
+
+def _jsonl_lines(path: Path, fmt: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw line) for each line; a file that cannot be read or decompressed is an error."""
+    lineno = 0
+    try:
+        with _open_jsonl(path, fmt) as f:
+            for lineno, raw in enumerate(f, 1):
+                yield lineno, raw
+    except _read_errors() as e:
+        after = f" past line {lineno}" if lineno else ""
+        raise UnreadableFile(f"{path}: cannot be read{after}: {e}") from e
+
+
+def parse_line(raw: bytes, path: Path, lineno: int) -> dict:
+    """One JSONL line as a JSON object; InvalidRecord if it is blank, not UTF-8, not JSON or not an object."""
+    if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+    if not raw.strip():
+        raise InvalidRecord(f"{path}:{lineno}: blank line, not a JSON record", BLANK_LINE)
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRecord(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the line)", INVALID_UTF8) from None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InvalidRecord(f"{path}:{lineno}: malformed JSON: {e}", MALFORMED_JSON) from None
+    if not isinstance(record, dict):
+        raise InvalidRecord(f"{path}:{lineno}: a JSON {type(record).__name__}, not an object", NOT_AN_OBJECT)
+    return record
+
+
+# --- Parquet ----------------------------------------------------------------------------------------------------
+
+def _open_parquet(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise UnreadableFile(f"{path}: not a readable Parquet file: {e}") from e
+
+
+def parquet_columns(path: Path) -> list[str]:
+    return _open_parquet(path).schema_arrow.names
+
+
+def _parquet_batches(path: Path, columns: list[str] | None) -> Iterator[tuple[int, object]]:
+    """(first row, record batch) for each batch of the file, reading only `columns` (all when None)."""
+    import pyarrow as pa
+
+    pf = _open_parquet(path)
+    row = 0
+    batches = pf.iter_batches(columns=columns, batch_size=_PARQUET_BATCH_ROWS)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise UnreadableFile(f"{path}: corrupt Parquet data after row {row}: {e}") from e
+        yield row, batch
+        row += batch.num_rows
+
+
+# --- fields -------------------------------------------------------------------------------------------------------
+
+def _missing_field(record: dict, where: str, key: str, other_key: str | None, mix_up: str,
+                   option: str) -> InvalidRecord:
+    fields = ", ".join(list(record)[:8]) or "none"
+    hint = (f"; it holds {other_key!r}: {mix_up}" if other_key and other_key in record
+            else f"; pass {option} to read another field")
+    return InvalidRecord(f"{where}: record has no field {key!r} (fields: {fields}){hint}", MISSING_FIELD)
+
+
+def text_of(record: dict, where: str, key: str, messages_key: str | None = None) -> str:
+    """The document text of a record: a non-empty string in field `key`, else InvalidRecord."""
+    if key not in record:
+        raise _missing_field(record, where, key, messages_key, "a conversation where a text record was expected",
+                             "--text-key")
+    value = record[key]
+    try:
+        return check_document(value, where, key)
+    except InvalidDocument as e:
+        if not isinstance(value, (str, bytes)):
+            reason = NOT_TEXT
+        elif not value:
+            reason = EMPTY_DOCUMENT
+        else:
+            reason = INVALID_UTF8
+        raise InvalidRecord(str(e), reason) from None
+
+
+def _check_encodable(text: str, where: str, what: str) -> None:
+    """JSON escapes can spell lone surrogates (`"\\ud800"`), which no UTF-8 encoder accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRecord(f"{where}: {what} holds a lone surrogate at character {e.start}, not valid UTF-8",
+                            INVALID_UTF8) from None
+
+
+def messages_of(record: dict, where: str, key: str, text_key: str | None = None) -> list[dict]:
+    """The conversation of a record: a non-empty list of {"role": str, "content": str} in field `key` (a JSON
+    string of such a list is accepted too, as `convert` writes it to Parquet), else InvalidRecord."""
+    if key not in record:
+        raise _missing_field(record, where, key, text_key, "a text record where a conversation was expected",
+                             "--messages-key")
+    value = record[key]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRecord(f"{where}: field {key!r} is a string but not a JSON list of messages: {e}",
+                                INVALID_MESSAGES) from None
+    if not isinstance(value, list) or not value:
+        kind = "an empty list" if value == [] else "null" if value is None else type(value).__name__
+        raise InvalidRecord(f"{where}: field {key!r} holds {kind}, not a list of messages", INVALID_MESSAGES)
+    for i, message in enumerate(value):
+        if (not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]
+                or not isinstance(message.get("content"), str)):
+            raise InvalidRecord(f"{where}: field {key!r}, message {i}: expected {{\"role\": text, \"content\": "
+                                f"text}}, got {json.dumps(message, default=str)[:80]}", INVALID_MESSAGES)
+    return value
+
+
+# --- the reader ---------------------------------------------------------------------------------------------------
+
+class RecordReader:
+    """Streams the documents (`documents`) or whole records (`records`) of a list of inputs.
+
+    `skip_invalid`: skip bad records and count them in `skipped` by reason, instead of raising InvalidRecord.
+    """
+
+    def __init__(self, inputs: Sequence[str | os.PathLike], text_key: str = "text", skip_invalid: bool = False):
+        self.files = resolve_inputs(inputs)
+        self.text_key = text_key
+        self.skip_invalid = skip_invalid
+        self.skipped: Counter[str] = Counter()
+        self.kind: str | None = None  # set by `records`: "text" or "messages"
+
+    def _invalid(self, error: InvalidRecord) -> None:
+        if not self.skip_invalid:
+            raise error
+        self.skipped[error.reason] += 1
+
+    def documents(self) -> Iterator[Document]:
+        """The text of every valid record, in file order."""
+        for path in self.files:
+            if input_format(path) == "parquet":
+                yield from self._parquet_documents(path)
+            else:
+                yield from self._jsonl_documents(path, input_format(path))
+
+    def texts(self) -> Iterator[str]:
+        return (doc.text for doc in self.documents())
+
+    def _jsonl_documents(self, path: Path, fmt: str) -> Iterator[Document]:
+        key = self.text_key
+        for lineno, raw in _jsonl_lines(path, fmt):
+            try:
+                where = f"{path}:{lineno}"
+                text = text_of(parse_line(raw, path, lineno), where, key, messages_key="messages")
+                if b"\\ud" in raw or b"\\uD" in raw:
+                    _check_encodable(text, where, f"field {key!r}")
+            except InvalidRecord as e:
+                self._invalid(e)
+                continue
+            yield Document(text, path, line=lineno)
+
+    def _parquet_documents(self, path: Path) -> Iterator[Document]:
+        key = self.text_key
+        names = parquet_columns(path)
+        if key not in names:
+            raise UnreadableFile(f"{path}: no column {key!r} (columns: {', '.join(names)}); pass --text-key to "
+                                 f"read another column")
+        for first, batch in _parquet_batches(path, [key]):
+            for i, value in enumerate(batch.column(0).to_pylist()):
+                try:
+                    text = text_of({key: value}, _where(path, None, first + i), key)
+                except InvalidRecord as e:
+                    self._invalid(e)
+                    continue
+                yield Document(text, path, row=first + i)
+
+    def records(self, messages_key: str | None = "messages") -> Iterator[tuple[str, dict]]:
+        """(where, record) for every valid record: JSON objects, or Parquet rows with all their columns.
+
+        A record is a conversation when it has `messages_key` and no text field; the first valid record decides
+        which kind the whole run holds (`kind`), and records of the other kind are then invalid. A
+        conversation's messages are checked and given back as a list, also when stored as a JSON string.
+        """
+        self.kind = None if messages_key else "text"
+        for path in self.files:
+            fmt = input_format(path)
+            rows = self._parquet_rows(path, messages_key) if fmt == "parquet" else self._jsonl_rows(path, fmt)
+            for where, record in rows:
+                try:
+                    kind = self.kind or ("messages" if messages_key in record and self.text_key not in record
+                                         else "text")
+                    if kind == "messages":
+                        record[messages_key] = messages_of(record, where, messages_key, self.text_key)
+                    else:
+                        record[self.text_key] = text_of(record, where, self.text_key, messages_key)
+                except InvalidRecord as e:
+                    self._invalid(e)
+                    continue
+                self.kind = kind
+                yield where, record
+
+    def _jsonl_rows(self, path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
+        for lineno, raw in _jsonl_lines(path, fmt):
+            try:
+                record = parse_line(raw, path, lineno)
+                if b"\\ud" in raw or b"\\uD" in raw:
+                    _check_encodable(json.dumps(record, ensure_ascii=False), f"{path}:{lineno}", "the record")
+            except InvalidRecord as e:
+                self._invalid(e)
+                continue
+            yield f"{path}:{lineno}", record
+
+    def _parquet_rows(self, path: Path, messages_key: str | None) -> Iterator[tuple[str, dict]]:
+        names = parquet_columns(path)
+        if self.text_key not in names and (messages_key is None or messages_key not in names):
+            wanted = repr(self.text_key) + (f" or {messages_key!r}" if messages_key else "")
+            raise UnreadableFile(f"{path}: no column {wanted} (columns: {', '.join(names)}); pass --text-key to "
+                                 f"read another column")
+        for first, batch in _parquet_batches(path, None):
+            for i, row in enumerate(batch.to_pylist()):
+                yield _where(path, None, first + i), row
