@@ -16,3 +16,15 @@ def test_train_throughput_smoke(tmp_path):
     assert row[1].strip() == "smoke (CPU, tiny)"
     assert int(row[3]) == 3 and float(row[4].replace(",", "")) > 0
     assert row[5].strip() == "n/a"  # no MFU on CPU
+
+
+def test_data_throughput_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_throughput.py"), "--smoke"],
+                         env=clean_env(XDG_CACHE_HOME=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    names = [r[1].strip() for r in rows[1:]]
+    assert names[0].startswith("naive loop") and "tokenize --workers 1" in names[1]
+    assert names[-2].startswith("text loader") and names[-1].startswith("indexed loader")
+    assert all(float(r[2].replace(",", "")) > 0 for r in rows[1:])
+    assert rows[1][3].strip() == "1.00"
