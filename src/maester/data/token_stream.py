@@ -114,6 +114,7 @@ class TokenLoader:
         self.samples = 0
         self.counts = np.zeros(len(self.sources), dtype=np.int64)
         self._fingerprint: str | None = None
+        self._perms: dict[int, tuple[int, Permutation]] = {}  # source -> (epoch, its permutation)
 
     @property
     def accumulation_steps(self) -> int:
@@ -126,10 +127,17 @@ class TokenLoader:
             u = (g * _GOLDEN).astype(np.float64) / 2.0 ** 64
         return np.searchsorted(self.bounds, u, side="right")
 
-    def _take(self, p: int, k: int) -> tuple[np.ndarray, np.ndarray | None]:
-        source = self.sources[p]
-        epoch, i = divmod(k, source.num_train)
-        return source.window(Permutation(source.num_train, seed_key(self.seed, p, epoch))[i])
+    def _windows(self, p: int, ks: np.ndarray) -> np.ndarray:
+        """Source p's window index of each of its sample numbers ks (one permutation per epoch)."""
+        n = self.sources[p].num_train
+        out = np.empty(len(ks), dtype=np.int64)
+        for epoch in np.unique(ks // n):
+            where = ks // n == epoch
+            cached = self._perms.get(p)
+            if cached is None or cached[0] != epoch:
+                cached = self._perms[p] = (int(epoch), Permutation(n, seed_key(self.seed, p, int(epoch))))
+            out[where] = cached[1][ks[where] % n]
+        return out
 
     def next_step(self) -> list:
         src = self.sources_of(self.samples, self.global_batch)
@@ -140,8 +148,12 @@ class TokenLoader:
             self.counts[p] += len(where)
         self.samples += self.global_batch
         per_rank = self.global_batch // self.dp_size
-        mine = range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
-        taken = [self._take(int(src[j]), int(k[j])) for j in mine]
+        mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        src, k = src[mine], k[mine]
+        windows = np.empty(per_rank, dtype=np.int64)
+        for p in np.unique(src):
+            windows[src == p] = self._windows(int(p), k[src == p])
+        taken = [self.sources[p].window(w) for p, w in zip(src.tolist(), windows.tolist())]
         return self._batches([t for t, _ in taken], [d for _, d in taken], self.micro_batch)
 
     def _batches(self, tokens: list, docs: list, micro_batch: int) -> list:
