@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
-from maester.data.loader import IGNORE_INDEX, build_loader, documents_from_eos
+from maester.data.loader import build_loader, documents_from_eos
 from maester.data.text_files import InvalidDocument, TextSource, resolve_files
 from maester.data.text_stream import TextLoader
 from maester.data.tokenizers import ByteTokenizer
@@ -121,7 +120,7 @@ def test_mixing_follows_the_weights_within_two_percent_over_a_million_tokens(tmp
     for name, w in weights.items():  # documents of one letter each, of very different lengths per source
         mean = {"a": 60, "b": 400, "c": 1500}[name]
         lengths = rng.integers(1, 2 * mean, size=400)
-        path = write_parquet(tmp_path / name / "part.parquet", [name * int(n) for n in lengths])
+        write_parquet(tmp_path / name / "part.parquet", [name * int(n) for n in lengths])
         sources.append(source(tmp_path / name, weight=w * 10))
     cfg = data_cfg(*sources, seq_len=512, chunk_documents=64)
     ld = loader(cfg, global_batch=16, micro_batch=16)

@@ -24,7 +24,7 @@ TEXTS = [
 
 def test_byte_tokenizer_special_ids_and_vocab():
     tok = ByteTokenizer()
-    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (256, 257, 258, 259)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (256, 257, 258, 269)
     built = build_tokenizer(TokenizerConfig(kind="byte"))
     assert isinstance(built, ByteTokenizer)
 
@@ -47,7 +47,7 @@ def test_byte_tokenizer_decodes_special_ids_between_text():
     assert len(tok.encode("🚀")) == 4
 
 
-@pytest.mark.parametrize("bad", [259, 1000, -1])
+@pytest.mark.parametrize("bad", [269, 1000, -1])
 def test_byte_tokenizer_rejects_out_of_range_ids(bad):
     tok = ByteTokenizer()
     with pytest.raises(ValueError, match=str(bad)):

@@ -246,8 +246,10 @@ def test_build_tokenizer_applies_control_tokens(files):
     assert tok.encode("<<<|user|>>>hi") == [TIKTOKEN_SPECIALS[USER], *tok.inner.encode("hi")]
     byte = build_tokenizer(TokenizerConfig(kind="byte", control_tokens={"<<<|eot|>>>": "<|end_of_text|>"}))
     assert byte.encode("hi<<<|eot|>>>") == [ord("h"), ord("i"), 257]
+    chat = build_tokenizer(TokenizerConfig(kind="byte", control_tokens=MAPPING))  # the chat roles are built in
+    assert chat.encode("<<<|user|>>>hi") == [ByteTokenizer().token_to_id(USER), ord("h"), ord("i")]
     with pytest.raises(ValueError, match="its special tokens are only"):
-        build_tokenizer(TokenizerConfig(kind="byte", control_tokens=MAPPING))
+        build_tokenizer(TokenizerConfig(kind="byte", control_tokens={"<<<|tool|>>>": "<|tool|>"}))
 
 
 # ---------------------------------------------------------------- config

@@ -13,7 +13,7 @@ from maester.models.layers import rope_inverse_frequencies
 from maester.models.llama_args import RopeScaling
 
 CPU = torch.device("cpu")
-BYTE_VOCAB = 259  # the byte tokenizer's vocabulary; the model rounds it up to 320
+BYTE_VOCAB = 269  # the byte tokenizer's vocabulary; the model rounds it up to 320
 
 
 def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:

@@ -106,7 +106,7 @@ def test_tokenize_each_format_gives_encode_plus_eos_per_document(tmp_path, capsy
     assert code == 0, err
     expected = [BYTE.encode(d) + [BYTE.eos_id] for d in docs]
     assert read_docs(tmp_path / "out_text_document") == expected
-    assert IndexedDataset(tmp_path / "out_text_document").dtype == np.uint16  # vocab 259 < 65500
+    assert IndexedDataset(tmp_path / "out_text_document").dtype == np.uint16  # vocab 269 < 65500
     fields = summary_of(out, "tokenize")
     assert fields["documents"] == "30" and fields["tokens"] == str(sum(map(len, expected)))
     assert fields["skipped"] == "0" and "tokens/s" in fields and fields["elapsed"].endswith("s")

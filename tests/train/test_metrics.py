@@ -16,7 +16,7 @@ from maester.train.metrics import (MetricsWriter, flops_per_token, matmul_parame
 
 def meta_model(**overrides):
     cfg = ModelConfig(flavor="tiny", overrides=overrides)
-    return build_on_meta(cfg, resolve_args(cfg, 259))
+    return build_on_meta(cfg, resolve_args(cfg, 269))
 
 
 def hand_count(d: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int) -> dict:
@@ -35,7 +35,7 @@ def hand_count(d: int, layers: int, heads: int, kv_heads: int, head_dim: int, ff
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_matmul_parameters_and_flops_match_a_hand_count(tied):
     model = meta_model(tie_embeddings=tied)
-    # The tiny flavor: dim 64, 2 layers, 4 heads, 2 KV heads (head_dim 16), ffn 192; vocab 259 -> 320.
+    # The tiny flavor: dim 64, 2 layers, 4 heads, 2 KV heads (head_dim 16), ffn 192; vocab 269 -> 320.
     d, layers, heads, kv, hd, ffn, vocab = 64, 2, 4, 2, 16, 192, 320
     a = model.args
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.resolved_head_dim, a.ffn_hidden_dim, a.vocab_size) == \

@@ -7,7 +7,7 @@ from maester.train.optim import build_optimizer
 
 def test_weight_decay_only_on_matrices_not_embeddings_or_norms():
     cfg = ModelConfig(flavor="tiny")
-    model = materialize(build_on_meta(cfg, resolve_args(cfg, 259)), torch.device("cpu"), 0)
+    model = materialize(build_on_meta(cfg, resolve_args(cfg, 269)), torch.device("cpu"), 0)
     opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1), torch.device("cpu"))
     names = {id(p): n for n, p in model.named_parameters()}
     groups = {g["name"]: g for g in opt.param_groups}

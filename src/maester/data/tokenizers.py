@@ -36,9 +36,16 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """The 256 byte values as tokens 0..255, then special tokens; needs no files."""
+    """The 256 byte values as tokens 0..255, then special tokens; needs no files.
 
-    SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
+    Besides BOS/EOS/pad, the special tokens of the built-in chat templates (Llama 3, ChatML, Gemma, the marker
+    roles) are in the vocabulary, so a byte-level model can be fine-tuned on conversations.
+    """
+
+    SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>",
+                      "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                      "<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>",
+                      "<|system|>", "<|user|>", "<|assistant|>")
 
     def __init__(self) -> None:
         self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
@@ -66,7 +73,7 @@ class ByteTokenizer:
         return "".join(out)
 
     def token_to_id(self, token: str) -> int | None:
-        """The id of one of the three special tokens, else None."""
+        """The id of one of the special tokens, else None."""
         return 256 + self.SPECIAL_TOKENS.index(token) if token in self.SPECIAL_TOKENS else None
 
 
