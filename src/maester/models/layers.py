@@ -6,7 +6,10 @@ checkpoints map onto these modules without permuting weights.
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +73,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    # Keep x's dtype: under autocast the tables are float32 while q and k are bfloat16, and the fused kernels
+    # (varlen, flex) take q, k and v in one dtype. SDPA under autocast would round to bfloat16 all the same.
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -81,8 +86,146 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (causal & same_doc).unsqueeze(1)
 
 
+# ---------------------------------------------------------------- attention backends
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
+_FLEX: dict[str, Any] = {}
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    # Newer torch takes grouped-query heads as they are (enable_gqa); older gets them repeated by `attend`.
+    _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
+except ImportError:
+    _varlen_attn, _VARLEN_GQA = None, False
+
+
+def _flex(device: torch.device) -> tuple[Any, Any]:
+    """(flex_attention, create_block_mask) for `device`. On CUDA both are compiled, once per process and on
+    first use (eager flex attention materialises every score; compiling at import would cost each process the
+    seconds Inductor takes to load). On CPU, where flex runs forward only, both stay eager: in torch 2.15 the
+    compiled CPU kernel gets the last sequence of a batch wrong (even NaN) when seq is not a multiple of its
+    128-token blocks."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        _FLEX.update(cuda=(torch.compile(flex_attention), torch.compile(create_block_mask)),
+                     eager=(flex_attention, create_block_mask))
+    return _FLEX["cuda" if device.type == "cuda" else "eager"]
+
+
+def resolve_attention(choice: str, device: torch.device, has_documents: bool) -> str:
+    """The backend a forward uses. `auto`: `flex` on CUDA when document ids are given (the dense mask of
+    `sdpa` costs batch x seq^2 memory there), else `sdpa`."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {choice!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if choice == "auto":
+        return "flex" if device.type == "cuda" and has_documents else "sdpa"
+    return choice
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Where each token may attend, built once per forward by `attention_mask` and shared by every layer.
+
+    Exactly one of the payloads is set for the backend: `dense` (sdpa with documents; None: plain causal),
+    `block_mask` (flex), `cu_seqlens` and `max_len` (varlen).
+    """
+
+    backend: str
+    dense: torch.Tensor | None = None
+    block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
+    cu_seqlens: torch.Tensor | None = None  # (documents + 1,) int32 offsets into the flattened batch
+    max_len: int = 0
+
+
+def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
+                   device: torch.device, needs_grad: bool) -> AttentionMask:
+    """Causal attention within documents for the backend `choice` resolves to on `device`.
+
+    `document_ids` (batch, seq): each document is one run of equal ids in its row, padding is -1 and attends
+    only to padding (causally, so no row of scores is empty). None: each row is one document.
+    """
+    backend = resolve_attention(choice, device, document_ids is not None)
+    if backend == "sdpa":
+        return AttentionMask("sdpa", dense=None if document_ids is None else document_causal_mask(document_ids))
+    if backend == "flex":
+        if device.type == "cpu" and needs_grad:
+            raise ValueError(f"model.attention = 'flex': FlexAttention has no backward on CPU (torch "
+                             f"{torch.__version__}; the forward runs, e.g. under torch.no_grad()): use 'sdpa' "
+                             f"or 'auto' to train on CPU")
+        return AttentionMask("flex", block_mask=document_block_mask(document_ids, batch, seq, device))
+    if device.type != "cuda":
+        raise ValueError(f"model.attention = 'varlen' needs a CUDA device (torch's varlen_attn runs Flash or "
+                         f"cuDNN kernels), this forward is on {device.type}: use 'sdpa' or 'auto'")
+    if _varlen_attn is None:
+        raise ValueError(f"model.attention = 'varlen' needs torch.nn.attention.varlen.varlen_attn, which torch "
+                         f"{torch.__version__} does not have: use 'flex' or 'sdpa'")
+    # max_len bounds every document by its row's length: the exact maximum would wait for the device again.
+    return AttentionMask("varlen", cu_seqlens=document_offsets(document_ids, batch, seq, device), max_len=seq)
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def document_block_mask(document_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device):
+    """FlexAttention BlockMask: causal, and within one document when `document_ids` are given."""
+    mask_mod = _causal
+    if document_ids is not None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return _causal(b, h, q_idx, kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+    return _flex(device)[1](mask_mod, batch, None, seq, seq, device=device)
+
+
+def document_offsets(document_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """cu_seqlens for varlen attention: where each document starts in the flattened (batch * seq) tokens, then
+    the total. A row boundary always starts a document. With `document_ids` this waits for the device once
+    (the number of documents sets the size)."""
+    if document_ids is None:
+        return torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device=device)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    offsets = starts.flatten().nonzero().flatten()
+    total = torch.full((1,), batch * seq, dtype=offsets.dtype, device=device)
+    return torch.cat((offsets, total)).to(torch.int32)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """q (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim).
+
+    Every backend computes the same causal, within-document softmax attention with scale 1/sqrt(head_dim).
+    """
+    if mask.backend == "sdpa":
+        if mask.dense is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True)
+        return out.transpose(1, 2)
+    if mask.backend == "flex":
+        return _flex(q.device)[0](q, k, v, block_mask=mask.block_mask, enable_gqa=True).transpose(1, 2)
+    if mask.backend != "varlen":
+        raise ValueError(f"unknown attention backend {mask.backend!r}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"model.attention = 'varlen' runs Flash/cuDNN kernels, which take bfloat16 or float16, "
+                         f"but q is {q.dtype}: train in bf16 (training.precision) or use 'flex' or 'sdpa'")
+    bsz, n_heads, seq, head_dim = q.shape
+    if not _VARLEN_GQA and k.shape[1] != n_heads:
+        k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
+
+    def tokens(t: torch.Tensor) -> torch.Tensor:  # (batch, heads, seq, d) -> (batch * seq, heads, d)
+        return t.transpose(1, 2).reshape(bsz * seq, t.shape[1], head_dim)
+
+    kwargs = {"enable_gqa": True} if _VARLEN_GQA else {}
+    # The same offsets tensor for q and k: cuDNN takes causal packed sequences only then.
+    out = _varlen_attn(tokens(q), tokens(k), tokens(v), mask.cu_seqlens, mask.cu_seqlens, mask.max_len,
+                       mask.max_len, window_size=(-1, 0), **kwargs)
+    return out.reshape(bsz, seq, n_heads, head_dim)
+
+
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE, through `scaled_dot_product_attention`."""
+    """Grouped-query attention with RoPE; the kernel is the one `mask` was built for (see `attend`)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool = False):
         super().__init__()
@@ -92,18 +235,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds a slice of the heads.
         q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        return self.o_proj(attend(q, k, v, mask).reshape(bsz, seq, -1))
 
 
 class SwiGLU(nn.Module):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from maester.models.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU, document_causal_mask
+from maester.models.layers import Attention, AttentionMask, RMSNorm, RotaryEmbedding, SwiGLU, attention_mask
 from maester.models.llama_args import LlamaArgs
 
 
@@ -20,7 +20,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = SwiGLU(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -63,13 +63,16 @@ class Llama(nn.Module):
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (batch, seq) -> logits (batch, seq, vocab).
 
-        `position_ids` default to 0..seq-1; with `document_ids`, attention stays within each document.
+        `position_ids` default to 0..seq-1; with `document_ids` (-1 on padding), attention stays within each
+        document. `args.attention` picks the kernel (see `layers.resolve_attention`), never the result.
         """
+        bsz, seq = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rotary(position_ids, h.dtype)
-        mask = document_causal_mask(document_ids) if document_ids is not None else None
+        needs_grad = torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad
+        mask = attention_mask(self.args.attention, document_ids, bsz, seq, input_ids.device, needs_grad)
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         h = self.norm(h)

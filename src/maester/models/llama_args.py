@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
@@ -33,6 +35,8 @@ class LlamaArgs(BaseModel):
     tie_embeddings: bool = False
     max_seq_len: int = 131072
     init_std: float = 0.02
+    # The attention kernel, set from `model.attention` (not an override): it changes no parameter or result.
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "LlamaArgs":

@@ -89,6 +89,24 @@ _SAVE_OPS = {
     torch.ops.aten.max.default,
 }
 
+def _attention_ops() -> set:
+    """FlexAttention and variable-length attention, where this torch has them."""
+    ops = set()
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401 (registers the op)
+        ops.add(torch.ops.higher_order.flex_attention)
+    except (ImportError, AttributeError):
+        pass
+    try:
+        import torch.nn.attention.varlen  # noqa: F401 (registers the op)
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
+    except (ImportError, AttributeError):
+        pass
+    return ops
+
+
+_SAVE_OPS |= _attention_ops()
+
 
 def _selective_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
