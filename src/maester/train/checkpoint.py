@@ -3,16 +3,22 @@
 Layout of `jobs/<name>/checkpoints/`:
 
     step-<N>/            a complete checkpoint: DCP files (.metadata, *.distcp) for model and optimizer,
-                         trainer_state.json (step, data position), rng/rank<R>.pt, config.json
+                         trainer_state.json (step, schedule start, data position, tokens seen, and
+                         `init_from`/`load_mode` where the run began from another checkpoint),
+                         rng/rank<R>.pt, config.json
     latest -> step-<N>   moved (atomically) only after step-<N> is complete
     step-<N>.tmp/        a save in progress; never loaded, removed by the next save
 
 A checkpoint is written under the temporary name and renamed when every file is on disk, so a crash at any
 moment leaves the previous checkpoint as `latest`, whole and loadable.
+
+A job resumes from its own latest checkpoint with everything in it; a new run can take named parts of
+another checkpoint (`checkpoint.load_mode`, the table `LOAD_MODES`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -35,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from maester.config import CheckpointConfig
+from maester.config import LOAD_MODES, CheckpointConfig
 from maester.train.faults import maybe_crash
 
 log = logging.getLogger("maester")
@@ -157,26 +163,53 @@ class Checkpointer:
                 os.replace(doomed, trash)  # no half-deleted directory ever carries a step-<N> name
                 shutil.rmtree(trash)
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Restore model, optimizer and this rank's RNG; returns the trainer state (step, data position).
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "continue") -> dict:
+        """Restore the parts of checkpoint `path` that load mode `mode` takes (`LOAD_MODES`) into `model` and
+        `optimizer`, resharded to their current layout; returns the trainer state (step, data position, ...) for
+        the caller to take the rest from. `continue` also restores this rank's RNG state.
 
-        A seed checkpoint restores the model only: the run starts at step 0 with a fresh optimizer.
+        The optimizer keeps the config's hyperparameters (betas, weight decay, ...); only its state (moments,
+        step counts) is taken. A part the mode needs but the checkpoint lacks is an error.
         """
-        trainer_state = json.loads((path / TRAINER_STATE).read_text())
-        if trainer_state.get("seed_checkpoint"):
+        parts = LOAD_MODES[mode]
+        trainer_state = read_trainer_state(path)
+        if "optimizer" in parts and not has_optimizer_state(path):
+            raise ValueError(f"load mode {mode!r} takes the optimizer state, but checkpoint {path} has none (a seed "
+                             f"or converted checkpoint); take the model only (load_mode 'model_only' or "
+                             f"'model_data')")
+        if "data" in parts and "data" not in trainer_state:
+            raise ValueError(f"load mode {mode!r} takes the data position, but checkpoint {path} has none (a seed "
+                             f"or converted checkpoint); use a mode that starts the data fresh")
+        if "optimizer" not in parts:
             load_model_weights(path, model)
             return trainer_state
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        hyperparameters = copy.deepcopy(optim_sd["param_groups"])
         state = {"model": model_sd, "optimizer": optim_sd}
         with _single_process_ok():
             dcp.load(state, checkpoint_id=path)
+        state["optimizer"]["param_groups"] = hyperparameters
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if mode != "continue":
+            return trainer_state
         rng_file = path / "rng" / f"rank{self.rank}.pt"
         if rng_file.is_file():
             restore_rng_state(torch.load(rng_file, weights_only=False))
         else:
             log.warning("checkpoint %s has no RNG state for rank %d (saved on fewer ranks)", path, self.rank)
         return trainer_state
+
+
+def read_trainer_state(path: Path) -> dict:
+    """The step, data position and provenance of checkpoint `path` (its trainer_state.json)."""
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def has_optimizer_state(path: Path) -> bool:
+    """Whether checkpoint `path` holds optimizer state (a seed or converted checkpoint holds the model only)."""
+    with _single_process_ok():
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
