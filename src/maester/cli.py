@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message in the job's chat template (data.sft) and print the "
+                        "assistant's answer, up to its end of turn")
 
     p = sub.add_parser("plot", help="write the loss curve of a job as PNG")
     p.add_argument("job", help="a job directory")
@@ -53,7 +56,7 @@ INPUTS_HELP = "files, directories or globs of .jsonl, .jsonl.gz, .jsonl.zst or .
 
 
 def _data_parser(sub) -> None:
-    p = sub.add_parser("data", help="prepare data: tokenize, merge, inspect, count, convert",
+    p = sub.add_parser("data", help="prepare data: tokenize, merge, inspect, count, convert, pack",
                        description="Prepare training data. Each action prints one summary line at the end.")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
 
@@ -99,6 +102,32 @@ def _data_parser(sub) -> None:
     v.add_argument("--messages-key", default="messages", metavar="KEY",
                    help="the field of a conversation's [{role, content}] list (default: messages)")
     _record_args(v)
+
+    k = dsub.add_parser("pack", help="encode conversations with a chat template and pack them whole into rows of "
+                                     "--seq-len tokens (best-fit decreasing), as Parquet")
+    k.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUTS_HELP)
+    k.add_argument("--output", required=True, metavar="DIR", help="writes DIR/part-00000.parquet, ...")
+    k.add_argument("--seq-len", type=int, required=True, metavar="N", help="tokens per row")
+    _tokenizer_args(k, required=True)
+    k.add_argument("--template", default="chatml", metavar="T",
+                   help="chatml, llama3, gemma, jinja (the chat_template of tokenizer_config.json) or markers "
+                        "(default: chatml)")
+    k.add_argument("--chat-template", metavar="PATH",
+                   help="--template jinja: a tokenizer_config.json or its directory (default: the one beside "
+                        "--tokenizer)")
+    k.add_argument("--mask", default="assistant_only", metavar="M",
+                   help="the tokens trained: assistant_only, all or last_assistant_only (default: assistant_only)")
+    k.add_argument("--seed", type=int, default=0, help="orders equal lengths and the rows (default: 0)")
+    k.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
+                   help="a conversation longer than --seq-len is cut to fit or left out (default: truncate)")
+    k.add_argument("--messages-key", default="messages", metavar="KEY",
+                   help="the field of a conversation's [{role, content}] list (default: messages)")
+    k.add_argument("--system-prompt", metavar="TEXT", help="a system message for conversations that have none")
+    k.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="encoding processes (default: 1); the output does not depend on it")
+    k.add_argument("--rows-per-file", type=int, default=8192, metavar="N",
+                   help="rows per output file (default: 8192)")
+    _record_args(k)
 
 
 def _tokenizer_args(p, required: bool) -> None:
@@ -211,10 +240,17 @@ def _generate(args) -> None:
 
     _, _, device = init_distributed(args.device)  # one process: no process group, just the device
     model, tokenizer, cfg = load_for_inference(args.target, device)
-    prompt = ([tokenizer.bos_id] if cfg.data.add_bos else []) + tokenizer.encode(args.prompt)
+    stop: set[int] = set()
+    if args.chat:
+        from maester.data.chat import ChatEncoder
+
+        encoder = ChatEncoder(tokenizer, cfg.data.sft, cfg.tokenizer.path)
+        prompt, stop = encoder.prompt([{"role": "user", "content": args.prompt}])
+    else:
+        prompt = ([tokenizer.bos_id] if cfg.data.add_bos else []) + tokenizer.encode(args.prompt)
     out = sample(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 eos_id=tokenizer.eos_id, seed=args.seed)
-    print(args.prompt + tokenizer.decode(out))
+                 eos_id=tokenizer.eos_id, seed=args.seed, stop_ids=stop)
+    print(tokenizer.decode(out) if args.chat else args.prompt + tokenizer.decode(out))
 
 
 def _plot(args) -> None:
@@ -258,6 +294,13 @@ def _data(args) -> None:
 
         summary = inspect(args.path, args.n, _data_tokenizer(args), text_key=args.text_key,
                           max_tokens=args.max_tokens)
+    elif action == "pack":
+        from maester.tools.data_pack import pack
+
+        summary = pack(args.inputs, args.output, _data_tokenizer(args), seq_len=args.seq_len, template=args.template,
+                       mask=args.mask, seed=args.seed, overlong=args.overlong, messages_key=args.messages_key,
+                       text_key=args.text_key, system_prompt=args.system_prompt, chat_template=args.chat_template,
+                       skip_invalid=args.skip_invalid, workers=args.workers, rows_per_file=args.rows_per_file)
     else:
         from maester.tools.data_convert import convert
 

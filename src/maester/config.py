@@ -51,9 +51,17 @@ class ModelConfig(Section):
     flavor: str = "demo"
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Any architecture field, e.g. `{n_layers = 4}`; replaced by the validated, typed values."""
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
+    """The attention kernel; it changes speed and memory, never parameters or results. `sdpa`:
+    `scaled_dot_product_attention`, with a dense (batch, seq, seq) mask when rows pack several documents; runs
+    everywhere. `flex`: FlexAttention with a block-sparse document mask (CUDA; on CPU forward only, it has no
+    backward there). `varlen`: torch's variable-length attention over the documents of the flattened batch
+    (CUDA, bfloat16/float16). `auto`: `flex` on CUDA when rows pack documents, else `sdpa`."""
 
     @model_validator(mode="after")
     def _check_architecture(self) -> "ModelConfig":
+        if "attention" in self.overrides:
+            raise ValueError("model.overrides.attention: the attention kernel is set by model.attention")
         if self.name not in ARCHITECTURES:
             raise ValueError(f"model.name {self.name!r} is unknown{_suggest(self.name, ARCHITECTURES)}")
         flavors = ARCHITECTURES[self.name].flavors
@@ -77,7 +85,7 @@ class ModelConfig(Section):
                                        for k in bad))
         base = arch.flavors[self.flavor].model_dump()
         try:
-            return arch.args_class.model_validate({**base, **self.overrides})
+            return arch.args_class.model_validate({**base, **self.overrides, "attention": self.attention})
         except ValidationError as e:
             raise ValueError("; ".join(_format_pydantic_error(err, "model.overrides", None) for err in e.errors()))
 
@@ -148,7 +156,33 @@ class DataSourceConfig(Section):
         return self.path.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1] or self.path
 
 
+class SFTConfig(Section):
+    """How conversations become training rows (`data.mode = "sft"`)."""
+
+    template: Literal["chatml", "llama3", "gemma", "jinja", "markers"] = "chatml"
+    """`jinja`: the `chat_template` of `tokenizer_config.json`; `markers`: a text field whose turns are wrapped in
+    marker pairs (`<<<|user|>>>...<<<|user|>>>`) that `tokenizer.control_tokens` maps to special tokens."""
+    mask: Literal["assistant_only", "all", "last_assistant_only"] = "assistant_only"
+    """Which tokens are trained: the assistant turns (their content and end-of-turn token, never role headers),
+    every token, or only the last assistant turn."""
+    messages_key: str = "messages"
+    """The field holding each conversation's [{role, content}] list (or its JSON string); `markers` reads the
+    source's `text_column` instead."""
+    system_prompt: str | None = None
+    """Put this system message first in conversations that have none."""
+    chat_template_path: str | None = None
+    """`jinja`: a `tokenizer_config.json` (or its directory); default: the one beside `tokenizer.path`."""
+    assistant_role: str = "assistant"
+    """The role whose turns `assistant_only` / `last_assistant_only` train."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """A conversation longer than `data.seq_len` tokens is cut to fit or left out; either is counted."""
+
+
 class DataConfig(Section):
+    mode: Literal["pretrain", "sft"] = "pretrain"
+    """`pretrain`: documents joined and cut into windows; `sft`: conversations (or rows packed by
+    `maester data pack`) packed whole into rows, with labels where `data.sft.mask` says."""
+    sft: SFTConfig = Field(default_factory=SFTConfig)
     sources: list[DataSourceConfig] = Field(
         default_factory=lambda: [DataSourceConfig(path="builtin:pydoc")], min_length=1)
     seq_len: int = Field(512, gt=0)
@@ -157,8 +191,8 @@ class DataConfig(Section):
     document_masking: bool = False
     """Attention and positions restart at each document boundary inside a sequence."""
     num_workers: int = Field(1, ge=0)
-    """Raw text: DataLoader processes that read and tokenize (0: in the training process). The stream does not
-    depend on it."""
+    """Raw text: DataLoader processes that read and tokenize (0: in the training process); SFT: processes that
+    encode the conversations at start. The data does not depend on it."""
     chunk_documents: int = Field(1024, gt=0)
     """Raw text: documents per chunk, the unit that is shuffled and dealt to streams (a Parquet row group is cut
     into chunks of at most this many rows)."""
@@ -168,6 +202,12 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_kind_of_source(self):
+        if self.mode == "sft":
+            bad = [f"data.sources.{i}.format" for i, s in enumerate(self.sources) if s.format not in
+                   ("auto", "parquet", "jsonl")]
+            if bad:
+                raise ValueError(f"data.mode = 'sft' reads conversations (JSONL or Parquet) or rows packed by "
+                                 f"`maester data pack`, not pre-tokenized formats: {', '.join(bad)}")
         kinds = {s.format in ("indexed", "llmc", "nanogpt") for s in self.sources if s.format != "auto"}
         if len(kinds) > 1:
             raise ValueError("data.sources mixes raw text and pre-tokenized formats; use one kind per job")
@@ -246,6 +286,18 @@ class ParallelConfig(Section):
         return self
 
 
+LOAD_MODES: dict[str, frozenset[str]] = {
+    "continue": frozenset({"model", "optimizer", "schedule", "data", "step"}),
+    "model_only": frozenset({"model"}),
+    "model_data": frozenset({"model", "data"}),
+    "model_opt_data": frozenset({"model", "optimizer", "data"}),
+    "reset_optimizer": frozenset({"model", "schedule", "data", "step"}),
+    "transfer": frozenset({"model", "optimizer"}),
+    "transfer_with_lr": frozenset({"model", "optimizer", "schedule", "step"}),
+}
+"""The parts of `checkpoint.init_from` each `checkpoint.load_mode` takes; every other part starts fresh."""
+
+
 class CheckpointConfig(Section):
     interval: int = Field(500, ge=0)
     """Save every this many steps (0: only at the end)."""
@@ -253,9 +305,29 @@ class CheckpointConfig(Section):
     keep_every: int | None = Field(None, gt=0)
     """Also keep every checkpoint whose step is a multiple of this, forever."""
     init_from: str | None = None
-    """A checkpoint directory (or job directory) whose model weights start a new run; used only
-    while the job has no checkpoint of its own."""
+    """A checkpoint directory (or job directory) that starts a new run; used only while the job has no
+    checkpoint of its own (a restarted job resumes from its own latest checkpoint, never again from this)."""
+    load_mode: Literal["continue", "model_only", "model_data", "model_opt_data", "reset_optimizer", "transfer",
+                       "transfer_with_lr"] = "model_only"
+    """Which parts of `init_from` the run takes (`LOAD_MODES`); the rest start fresh. `continue`: model,
+    optimizer state, schedule, data position, step (and the RNG state); `model_only`: the weights (fine-tuning);
+    `model_data`: + data position; `model_opt_data`: + optimizer state and data position; `reset_optimizer`: all
+    but the optimizer state; `transfer`: weights and optimizer state; `transfer_with_lr`: weights, optimizer
+    state, schedule and step."""
+    step_offset: int = Field(0, ge=0)
+    """The step a run starts at when it does not take the step from `init_from`; its schedule (warmup
+    included) still starts at that step."""
     save_final: bool = True
+
+    @model_validator(mode="after")
+    def _check_load_mode(self) -> "CheckpointConfig":
+        if self.load_mode != "model_only" and not self.init_from:
+            raise ValueError(f"checkpoint.load_mode = {self.load_mode!r} needs checkpoint.init_from (the "
+                             "checkpoint to load from)")
+        if self.step_offset and "step" in LOAD_MODES[self.load_mode]:
+            raise ValueError(f"checkpoint.step_offset = {self.step_offset} conflicts with checkpoint.load_mode = "
+                             f"{self.load_mode!r}, which takes the step from checkpoint.init_from")
+        return self
 
 
 class LoggingConfig(Section):

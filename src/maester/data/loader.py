@@ -1,6 +1,7 @@
 """From data sources to batches: the Batch every loader yields, and the choice of loader for a config.
 
-Raw text (Parquet, JSONL) is tokenized on the fly by `text_stream.TextLoader`; pre-tokenized corpora (Megatron /
+Raw text (Parquet, JSONL) is tokenized on the fly by `text_stream.TextLoader`; conversations are encoded and
+packed by `sft.SFTLoader`; pre-tokenized corpora (Megatron /
 GPT-NeoX indexed datasets, llm.c shards, nanoGPT bins) are read by `token_stream.TokenLoader`. Both order their
 samples by a pure function of (seed, epoch, position), keep only counters as state, and resume exactly, also on
 another number of data-parallel ranks.
@@ -13,8 +14,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from maester.config import DataConfig, TokenizerConfig
+from maester.data.packing import IGNORE_INDEX  # noqa: F401 (re-exported: the label that takes no loss)
 
-IGNORE_INDEX = -100
 PRETOKENIZED = ("indexed", "llmc", "nanogpt")
 
 
@@ -26,6 +27,7 @@ class Batch:
     labels: torch.Tensor  # (batch, seq) int64, IGNORE_INDEX where no loss is taken
     position_ids: torch.Tensor  # (batch, seq) int64
     document_ids: torch.Tensor | None = None  # (batch, seq) int64, -1 on padding
+    document_lengths: torch.Tensor | None = None  # (documents,) int64: lengths of the packed documents (SFT)
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{f.name: None if getattr(self, f.name) is None else
@@ -87,6 +89,10 @@ def is_pretokenized(cfg: DataConfig) -> bool:
 def build_loader(cfg: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, global_batch: int,
                  micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None, pin_memory: bool = False):
     kw = dict(seed=seed, global_batch=global_batch, micro_batch=micro_batch, dp_rank=dp_rank, dp_size=dp_size)
+    if cfg.mode == "sft":
+        from maester.data.sft import SFTLoader
+
+        return SFTLoader(cfg, tokenizer_cfg, tokenizer, group=group, pin_memory=pin_memory, **kw)
     if is_pretokenized(cfg):
         from maester.data.token_stream import TokenLoader
 

@@ -8,10 +8,8 @@ is byte-identical for any number of workers. Each worker builds its own tokenize
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
 import re
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from maester.data.records import RecordReader
 from maester.data.tokenizers import Tokenizer, build_tokenizer
 from maester.tools.atomic_output import AtomicOutputs
 from maester.tools.data_report import Progress, Summary
+from maester.data.worker_pool import chunked, map_in_order
 
 DEFAULT_CHUNK_SIZE = 1000
 _KINDS = ("hf", "sentencepiece", "tiktoken")
@@ -163,62 +162,11 @@ def _describe(cfg: TokenizerConfig) -> str:
     return cfg.kind if cfg.path is None else f"{cfg.kind} {cfg.path}"
 
 
-_worker_encoder: ChunkEncoder | None = None
-
-
-def _start_worker(cfg: TokenizerConfig, dtype, append_eod: bool, add_bos: bool, lengths_only: bool) -> None:
-    global _worker_encoder
-    _worker_encoder = ChunkEncoder(cfg, dtype, append_eod, add_bos, lengths_only)
-
-
-def _encode_in_worker(texts: list[str]):
-    assert _worker_encoder is not None
-    return _worker_encoder(texts)
-
-
-def chunked(items: Iterable, size: int) -> Iterator[list]:
-    it = iter(items)
-    while chunk := list(itertools.islice(it, size)):
-        yield chunk
-
-
 def encode_chunks(chunks: Iterable[list[str]], cfg: TokenizerConfig, dtype, *, workers: int = 1,
                   append_eod: bool = False, add_bos: bool = False,
                   lengths_only: bool = False) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
-    """The encoding of each chunk, in input order. With workers > 1, at most 2 * workers chunks are read ahead
-    (Pool.imap alone would read the whole input into memory)."""
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
-    if workers == 1:
-        encoder = ChunkEncoder(cfg, dtype, append_eod, add_bos, lengths_only)
-        yield from map(encoder, chunks)
-        return
-    window = threading.Semaphore(2 * workers)
-    stop = threading.Event()
-
-    def read_ahead() -> Iterator[list[str]]:  # runs in the pool's task thread
-        for chunk in chunks:
-            while not window.acquire(timeout=0.1):
-                if stop.is_set():
-                    return
-            yield chunk
-
-    if "forkserver" in multiprocessing.get_all_start_methods():  # no fork of a process that may hold threads
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__])  # imported once in the server, not once per worker
-    else:
-        context = multiprocessing.get_context("spawn")
-    pool = context.Pool(workers, initializer=_start_worker, initargs=(cfg, dtype, append_eod, add_bos, lengths_only))
-    try:
-        for result in pool.imap(_encode_in_worker, read_ahead()):
-            window.release()
-            yield result
-        pool.close()
-        pool.join()
-    finally:
-        stop.set()
-        pool.terminate()
-        pool.join()
+    """The encoding of each chunk, in input order, in `workers` processes."""
+    return map_in_order(ChunkEncoder, (cfg, dtype, append_eod, add_bos, lengths_only), chunks, workers)
 
 
 # --- writing ----------------------------------------------------------------------------------------------------

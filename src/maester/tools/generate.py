@@ -25,8 +25,11 @@ def load_for_inference(target: str | Path, device: torch.device) -> tuple[nn.Mod
 
 @torch.no_grad()
 def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-           top_k: int | None = None, eos_id: int | None = None, seed: int = 0) -> list[int]:
-    """Continue `prompt`; temperature 0 is greedy. Stops after `max_new_tokens` or at EOS."""
+           top_k: int | None = None, eos_id: int | None = None, seed: int = 0,
+           stop_ids: set[int] = frozenset()) -> list[int]:
+    """Continue `prompt`; temperature 0 is greedy. Stops after `max_new_tokens`, at EOS or at any of `stop_ids`
+    (a chat template's end of turn)."""
+    stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt], device=device)
@@ -42,7 +45,7 @@ def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperat
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-        if eos_id is not None and next_id == eos_id:
+        if next_id in stop:
             break
         out.append(next_id)
         ids = torch.cat([ids, torch.tensor([[next_id]], device=device)], dim=1)

@@ -131,6 +131,8 @@ def format_console_line(r: dict) -> str:
              f"tok/s {r['tokens_per_second']:,.0f}"]
     if r.get("mfu") is not None:
         parts.append(f"mfu {100 * r['mfu']:.1f}%")
+    if r.get("padding_efficiency", 1.0) < 1.0:
+        parts.append(f"pad_eff {100 * r['padding_efficiency']:.1f}%")
     parts.append(f"data {r['data_loading_seconds']:.3f}s")
     parts.append(f"mem {r['peak_memory_gib']:.2f}GiB")
     return " | ".join(parts)

@@ -17,13 +17,13 @@ import torch
 
 import torch.distributed as dist
 
-from maester.config import Config
+from maester.config import LOAD_MODES, Config
 from maester.data.loader import IGNORE_INDEX, build_loader
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_on_meta, count_parameters, materialize, resolve_args
 from maester.parallel.dims import ParallelDims, init_distributed
 from maester.parallel.parallelize import parallelize, uses_loss_parallel
-from maester.train.checkpoint import Checkpointer, load_model_weights, resolve_checkpoint
+from maester.train.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
 from maester.train.faults import maybe_crash
 from maester.train.loss import cross_entropy_sum
 from maester.train.metrics import MetricsWriter, device_peak_flops, model_flops_per_token, peak_memory_gib
@@ -38,6 +38,24 @@ class TrainResult:
     step: int
     loss: float | None
     checkpoint: Path | None
+
+
+BATCH_STATISTICS = ("labels", "real", "tokens", "documents", "document_tokens", "document_tokens_max")
+
+
+def batch_statistics(batches) -> torch.Tensor:
+    """Counts of one step's micro-batches on the host: label tokens, tokens that are not padding, all tokens,
+    packed documents, their tokens, and the longest of them."""
+    out = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64)
+    for b in batches:
+        out[0] += (b.labels != IGNORE_INDEX).sum()
+        out[1] += (b.document_ids >= 0).sum() if b.document_ids is not None else b.input_ids.numel()
+        out[2] += b.input_ids.numel()
+        if b.document_lengths is not None and len(b.document_lengths):
+            out[3] += len(b.document_lengths)
+            out[4] += b.document_lengths.sum()
+            out[5] = max(out[5], b.document_lengths.max())
+    return out
 
 
 def autocast_context(cfg: Config, device: torch.device):
@@ -135,6 +153,8 @@ class Trainer:
                                    pin_memory=self.device.type == "cuda")
         self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
         self.step, self.tokens_seen = 0, 0
+        self.schedule_start = 0  # steps done before the LR schedule began (its warmup starts at the next step)
+        self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
         self._validation = None
         self._resume_or_initialise()
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d x tp %d; "
@@ -144,20 +164,56 @@ class Trainer:
                  self.loader.micro_batch, cfg.data.seq_len, self.device)
 
     def _resume_or_initialise(self) -> None:
+        """Resume from the job's own latest checkpoint, with everything in it; else take the parts of
+        `checkpoint.init_from` that `checkpoint.load_mode` names; else start fresh at `checkpoint.step_offset`."""
+        c, total = self.cfg.checkpoint, self.cfg.training.steps
         latest = self.checkpointer.latest()
-        if latest is not None:
-            state = self.checkpointer.load(latest, self.model, self.optimizer)
-            if state.get("seed_checkpoint"):
-                log.info("initialised model weights from the seed checkpoint %s", latest)
-                return
-            self.step = state["step"]
-            self.tokens_seen = state.get("tokens_seen", 0)
-            self.loader.load_state_dict(state["data"])
+        if latest is not None and not read_trainer_state(latest).get("seed_checkpoint"):
+            state = self.checkpointer.load(latest, self.model, self.optimizer, "continue")
+            self._take_trainer_state(state, LOAD_MODES["continue"])
+            self.provenance = {k: state[k] for k in ("init_from", "load_mode") if k in state}
             log.info("resumed from %s at step %d", latest, self.step)
-        elif self.cfg.checkpoint.init_from:
-            source = resolve_checkpoint(self.cfg.checkpoint.init_from)
-            load_model_weights(source, self.model)
-            log.info("initialised model weights from %s", source)
+            return
+        if latest is not None:
+            if c.init_from:
+                raise ValueError(f"{self.job_dir} has the seed checkpoint {latest} and checkpoint.init_from is set "
+                                 f"too: start from one of them")
+            self.checkpointer.load(latest, self.model, self.optimizer, "model_only")
+            self._take_trainer_state({}, LOAD_MODES["model_only"])
+            log.info("initialised model weights from the seed checkpoint %s", latest)
+        elif c.init_from:
+            source, mode = resolve_checkpoint(c.init_from), c.load_mode
+            parts = LOAD_MODES[mode]
+            state = self.checkpointer.load(source, self.model, self.optimizer, mode)
+            try:
+                self._take_trainer_state(state, parts)
+            except ValueError as e:  # the data position of other data
+                raise ValueError(f"checkpoint.load_mode = {mode!r} takes the data position of {source}: {e}") from e
+            self.provenance = {"init_from": str(source), "load_mode": mode}
+            order = ("model", "optimizer", "schedule", "data", "step")
+            log.info("initialised from %s with load_mode %s: took %s; fresh: %s; first step %d", source, mode,
+                     ", ".join(p for p in order if p in parts),
+                     ", ".join(p for p in order if p not in parts) or "nothing", self.step + 1)
+            if self.step >= total and "step" in parts:
+                raise ValueError(f"checkpoint.init_from {source} is at step {self.step}, and training.steps = "
+                                 f"{total}: nothing to train")
+        else:
+            self._take_trainer_state({}, frozenset())
+        if self.step >= total:
+            raise ValueError(f"checkpoint.step_offset = {c.step_offset} leaves nothing to train (training.steps = "
+                             f"{total})")
+
+    def _take_trainer_state(self, state: dict, parts: frozenset[str]) -> None:
+        """Step (and tokens seen), data position and schedule start from a checkpoint's trainer state where
+        `parts` names them; otherwise the step is `checkpoint.step_offset`, the data fresh, and the schedule
+        starts at the next step."""
+        if "step" in parts:
+            self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
+        else:
+            self.step, self.tokens_seen = self.cfg.checkpoint.step_offset, 0
+        if "data" in parts:
+            self.loader.load_state_dict(state["data"])
+        self.schedule_start = state.get("schedule_start", 0) if "schedule" in parts else self.step
 
     def train(self) -> TrainResult:
         cfg, model, optimizer = self.cfg, self.model, self.optimizer
@@ -177,15 +233,21 @@ class Trainer:
         dp_size = self.dims.dp_size
         last_checkpoint, loss_value = None, None
         window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
+        window_batches, window_steps = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64), 0
         model.train()
         try:
             while self.step < total:
                 t0 = time.perf_counter()
-                micro_batches = [b.to(self.device) for b in self.loader.next_step()]
+                host_batches = self.loader.next_step()
                 window_data_s += time.perf_counter() - t0
+                stats = batch_statistics(host_batches)
+                window_batches[:-1] += stats[:-1]
+                window_batches[-1] = max(window_batches[-1], stats[-1])
+                micro_batches = [b.to(self.device) for b in host_batches]
                 self.step += 1
                 for group, base in zip(optimizer.param_groups, self.base_lrs):
-                    group["lr"] = base * lr_multiplier(cfg.schedule, self.step, total)
+                    group["lr"] = base * lr_multiplier(cfg.schedule, self.step - self.schedule_start,
+                                                       total - self.schedule_start)
 
                 loss = self._forward_backward(micro_batches)
                 grad_norm = clip_grad_norm(params, max_norm)
@@ -193,6 +255,7 @@ class Trainer:
                 optimizer.zero_grad(set_to_none=True)
                 step_tokens = sum(b.num_tokens for b in micro_batches) * dp_size
                 window_tokens += step_tokens
+                window_steps += 1
                 self.tokens_seen += step_tokens
                 progress.update(1)
 
@@ -209,12 +272,14 @@ class Trainer:
                         "mfu": per_device * flops_per_token / peak if peak else None,
                         "data_loading_seconds": window_data_s, "data_loading_share": window_data_s / elapsed,
                         "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
+                        **self._batch_metrics(window_batches, window_steps),
                     }
                     for name, counts in self.loader.source_metrics().items():  # collective: every rank calls it
                         record.update({f"data/{name}/{k}": v for k, v in counts.items()})
                     if writer is not None:
                         writer.write(record)
                     window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
+                    window_batches, window_steps = torch.zeros_like(window_batches), 0
 
                 if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == total):
                     val_loss = self.evaluate()
@@ -224,7 +289,8 @@ class Trainer:
                 if self._checkpoint_due():
                     last_checkpoint = self.checkpointer.save(
                         self.step, model, optimizer,
-                        {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen}, cfg.to_json())
+                        {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
+                         "schedule_start": self.schedule_start, **self.provenance}, cfg.to_json())
                     log.info("saved checkpoint %s", last_checkpoint)
                 maybe_crash("after_step", self.step)
         finally:
@@ -233,6 +299,23 @@ class Trainer:
             if writer is not None:
                 writer.close()
         return TrainResult(self.step, loss_value, last_checkpoint or self.checkpointer.latest())
+
+    def _batch_metrics(self, totals: torch.Tensor, steps: int) -> dict:
+        """Label tokens per step, padding efficiency and document (conversation) lengths over the logging window,
+        summed over the data-parallel ranks (collective)."""
+        if self.dp_group is not None:
+            maxima = totals[-1:].clone()
+            dist.all_reduce(totals, group=self.dp_group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_group)
+            totals[-1:] = maxima
+        t = dict(zip(BATCH_STATISTICS, totals.tolist()))
+        out = {"label_tokens_per_step": t["labels"] / max(steps, 1),
+               "padding_efficiency": t["real"] / max(t["tokens"], 1)}
+        if t["documents"]:
+            out.update({"documents_per_step": t["documents"] / max(steps, 1),
+                        "document_tokens_mean": t["document_tokens"] / t["documents"],
+                        "document_tokens_max": int(t["document_tokens_max"])})
+        return out
 
     def _forward_backward(self, micro_batches) -> torch.Tensor:
         """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step

@@ -1,0 +1,63 @@
+"""Map a function over chunks in worker processes, in input order, reading only a little ahead."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import threading
+from collections.abc import Callable, Iterable, Iterator
+
+_worker: Callable | None = None
+
+
+def _start(factory: Callable, args: tuple) -> None:
+    global _worker
+    _worker = factory(*args)
+
+
+def _run(chunk):
+    assert _worker is not None
+    return _worker(chunk)
+
+
+def chunked(items: Iterable, size: int) -> Iterator[list]:
+    it = iter(items)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+def map_in_order(factory: Callable, args: tuple, chunks: Iterable, workers: int) -> Iterator:
+    """`factory(*args)(chunk)` for each chunk, in input order. With workers > 1, each worker process builds its own
+    `factory(*args)` once and at most 2 * workers chunks are read ahead (Pool.imap alone would read the whole
+    input into memory)."""
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    if workers == 1:
+        yield from map(factory(*args), chunks)
+        return
+    window = threading.Semaphore(2 * workers)
+    stop = threading.Event()
+
+    def read_ahead() -> Iterator:  # runs in the pool's task thread
+        for chunk in chunks:
+            while not window.acquire(timeout=0.1):
+                if stop.is_set():
+                    return
+            yield chunk
+
+    if "forkserver" in multiprocessing.get_all_start_methods():  # no fork of a process that may hold threads
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__, factory.__module__])  # imported once, not per worker
+    else:
+        context = multiprocessing.get_context("spawn")
+    pool = context.Pool(workers, initializer=_start, initargs=(factory, args))
+    try:
+        for result in pool.imap(_run, read_ahead()):
+            window.release()
+            yield result
+        pool.close()
+        pool.join()
+    finally:
+        stop.set()
+        pool.terminate()
+        pool.join()
