@@ -154,8 +154,7 @@ class ChatEncoder:
         pieces: list[str | int] = []
         flags: list[bool] = []
         self._split_specials(text, False, pieces, flags)
-        texts = iter(self._text_encoder.encode_batch([p for p in pieces if isinstance(p, str)]) or ())
-        ids = [i for p in pieces for i in (next(texts) if isinstance(p, str) else [p])]
+        ids, _ = self._piece_ids(pieces)
         if self.template == "jinja":  # the template's end of turn: the special tokens after a probe answer
             probe = self.encode([*messages, {"role": self._assistant, "content": "x"}]).tokens.tolist()
             stop |= set(probe[len(ids):]) & set(self._special_ids.values())
@@ -224,8 +223,8 @@ class ChatEncoder:
                                 NOTHING_TO_TRAIN)
         return set(assistant_turns) if self.sft.mask == "assistant_only" else {assistant_turns[-1]}
 
-    def _encode_pieces(self, pieces: list[str | int], flags: list[bool]) -> Encoded:
-        """Pieces of text (encoded together in one batch) and special ids, each with its trained flag."""
+    def _piece_ids(self, pieces: list[str | int]) -> tuple[list[int], list[int]]:
+        """The ids of pieces of text (encoded together in one batch) and special ids, and each piece's length."""
         texts = [p for p in pieces if isinstance(p, str)]
         encoded = iter(self._text_encoder.encode_batch(texts) if texts else ())
         ids: list[int] = []
@@ -238,6 +237,11 @@ class ChatEncoder:
             else:
                 ids.append(piece)
                 lengths.append(1)
+        return ids, lengths
+
+    def _encode_pieces(self, pieces: list[str | int], flags: list[bool]) -> Encoded:
+        """Pieces of text and special ids, each with its trained flag."""
+        ids, lengths = self._piece_ids(pieces)
         tokens = np.array(ids, dtype=np.int64)
         trained = np.repeat(np.array(flags, dtype=bool), lengths)
         if self.sft.mask == "all":

@@ -96,7 +96,8 @@ def read_packed(files: list[Path], seq_len: int, tokenizer_cfg: TokenizerConfig)
 
     parts: dict[str, list] = {k: [] for k in PACKED_COLUMNS}
     for path in files:
-        meta = pq.read_schema(path).metadata or {}
+        schema = pq.read_schema(path)
+        meta = schema.metadata or {}
         stored = meta.get(b"seq_len")
         if stored is not None and int(stored) != seq_len:
             raise ValueError(f"{path}: rows were packed to seq_len {int(stored)}, but data.seq_len is {seq_len}")
@@ -106,7 +107,7 @@ def read_packed(files: list[Path], seq_len: int, tokenizer_cfg: TokenizerConfig)
             raise ValueError(f"{path}: rows were packed with tokenizer {packed_with.get('kind')} "
                              f"{packed_with.get('path') or ''}, but the job uses {tokenizer_cfg.kind} "
                              f"{tokenizer_cfg.path or ''}")
-        missing = [c for c in PACKED_COLUMNS if c not in pq.read_schema(path).names]
+        missing = [c for c in PACKED_COLUMNS if c not in schema.names]
         if missing:
             raise ValueError(f"{path}: a packed SFT file needs columns {', '.join(PACKED_COLUMNS)}; "
                              f"missing {', '.join(missing)}")

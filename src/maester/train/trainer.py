@@ -249,7 +249,7 @@ class Trainer:
                     group["lr"] = base * lr_multiplier(cfg.schedule, self.step - self.schedule_start,
                                                        total - self.schedule_start)
 
-                loss = self._forward_backward(micro_batches)
+                loss = self._forward_backward(micro_batches, int(stats[0]))
                 grad_norm = clip_grad_norm(params, max_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -317,14 +317,15 @@ class Trainer:
                         "document_tokens_max": int(t["document_tokens_max"])})
         return out
 
-    def _forward_backward(self, micro_batches) -> torch.Tensor:
+    def _forward_backward(self, micro_batches, labels: int) -> torch.Tensor:
         """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step
         over all data-parallel ranks, so neither the micro-batch split nor the number of ranks changes it.
 
         FSDP and DDP average gradients over the data-parallel ranks; the backward loss is scaled by their number
-        to turn that average into the sum the normalisation needs.
+        to turn that average into the sum the normalisation needs. `labels`: this rank's label tokens in the step,
+        counted on the host with the step's other statistics.
         """
-        n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
+        n_labels = torch.tensor(labels, device=self.device)
         if self.dp_group is not None:
             dist.all_reduce(n_labels, group=self.dp_group)
         n_labels = n_labels.clamp(min=1)
