@@ -10,7 +10,7 @@ import torch
 from maester.config import ModelConfig
 from maester.models.build import build_on_meta, count_parameters, materialize, resolve_args
 from maester.models.layers import rope_inverse_frequencies
-from maester.models.llama_args import RopeScaling
+from maester.models.args import RopeScaling
 
 CPU = torch.device("cpu")
 BYTE_VOCAB = 269  # the byte tokenizer's vocabulary; the model rounds it up to 320

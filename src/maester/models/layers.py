@@ -17,26 +17,40 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """x / rms(x) scaled by `weight` (Llama), or by `1 + weight` when `offset` (Gemma: the weight starts at 0
+    and the product is taken in float32 before rounding back, as Hugging Face does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.empty(dim))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.offset else nn.init.ones_)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
+def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """`rms`, `rms_offset` or `layer` (LayerNorm with a bias)."""
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=eps)
+    return RMSNorm(dim, eps, offset=kind == "rms_offset")
+
+
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
-    """Inverse frequencies of RoPE, with Llama 3.1 scaling of the low frequencies when `scaling` is given."""
+    """Inverse frequencies of RoPE over `head_dim` dims, scaled as `scaling` says (see `args.RopeScaling`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -49,15 +63,16 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling=None) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Maps position ids (batch, seq) to the cos/sin tables (batch, seq, head_dim) used by every layer."""
+    """Maps position ids (batch, seq) to the cos/sin tables (batch, seq, rotary_dim) used by every layer.
+    `rotary_dim` is the head's leading dims that rotate (all of them but in GPT-NeoX)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling=None):
+    def __init__(self, rotary_dim: int, theta: float, scaling=None):
         super().__init__()
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.rotary_dim, self.theta, self.scaling = rotary_dim, theta, scaling
+        self.register_buffer("inv_freq", torch.empty(rotary_dim // 2), persistent=False)
 
     def reset_parameters(self) -> None:
-        self.inv_freq.copy_(rope_inverse_frequencies(self.head_dim, self.theta, self.scaling))
+        self.inv_freq.copy_(rope_inverse_frequencies(self.rotary_dim, self.theta, self.scaling))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()
@@ -71,19 +86,32 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, rotary_dim). Dims past rotary_dim pass through."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos.shape[-1]
+    x_rot = x if rot == x.shape[-1] else x[..., :rot]
     # Keep x's dtype: under autocast the tables are float32 while q and k are bfloat16, and the fused kernels
     # (varlen, flex) take q, k and v in one dtype. SDPA under autocast would round to bfloat16 all the same.
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    out = (x_rot * cos + rotate_half(x_rot) * sin).to(x.dtype)
+    return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) document ids -> (batch, 1, seq, seq) boolean mask: causal and within one document."""
-    seq = document_ids.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
-    return (causal & same_doc).unsqueeze(1)
+def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(q, k) boolean mask from absolute positions: causal, and within the last `window` tokens (itself
+    included) when a window is given."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    return (diff >= 0) if window is None else (diff >= 0) & (diff < window)
+
+
+def document_causal_mask(document_ids: torch.Tensor | None, seq: int, device: torch.device,
+                         window: int | None = None) -> torch.Tensor:
+    """(batch, 1, seq, seq) boolean mask: causal, within one document of `document_ids` (batch, seq) when
+    given, and within the sliding `window` when given."""
+    pos = torch.arange(seq, device=device)
+    mask = causal_window_mask(pos, pos, window)[None]
+    if document_ids is not None:
+        mask = mask & (document_ids[:, :, None] == document_ids[:, None, :])
+    return mask.unsqueeze(1)
 
 
 # ---------------------------------------------------------------- attention backends
@@ -128,11 +156,12 @@ def resolve_attention(choice: str, device: torch.device, has_documents: bool) ->
 class AttentionMask:
     """Where each token may attend, built once per forward by `attention_mask` and shared by every layer.
 
-    Exactly one of the payloads is set for the backend: `dense` (sdpa with documents; None: plain causal),
-    `block_mask` (flex), `cu_seqlens` and `max_len` (varlen).
+    Exactly one of the payloads is set for the backend: `dense` (sdpa with documents or a window; None: plain
+    causal), `block_mask` (flex), `cu_seqlens` and `max_len` (varlen, which applies `window` itself).
     """
 
     backend: str
+    window: int | None = None
     dense: torch.Tensor | None = None
     block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
     cu_seqlens: torch.Tensor | None = None  # (documents + 1,) int32 offsets into the flattened batch
@@ -140,21 +169,24 @@ class AttentionMask:
 
 
 def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
-                   device: torch.device, needs_grad: bool) -> AttentionMask:
-    """Causal attention within documents for the backend `choice` resolves to on `device`.
+                   device: torch.device, needs_grad: bool, window: int | None = None) -> AttentionMask:
+    """Causal attention within documents (and within a sliding `window` of tokens, itself included, when
+    given) for the backend `choice` resolves to on `device`.
 
     `document_ids` (batch, seq): each document is one run of equal ids in its row, padding is -1 and attends
     only to padding (causally, so no row of scores is empty). None: each row is one document.
     """
     backend = resolve_attention(choice, device, document_ids is not None)
     if backend == "sdpa":
-        return AttentionMask("sdpa", dense=None if document_ids is None else document_causal_mask(document_ids))
+        plain = document_ids is None and (window is None or window >= seq)
+        return AttentionMask("sdpa", window, dense=None if plain else
+                             document_causal_mask(document_ids, seq, device, window))
     if backend == "flex":
         if device.type == "cpu" and needs_grad:
             raise ValueError(f"model.attention = 'flex': FlexAttention has no backward on CPU (torch "
                              f"{torch.__version__}; the forward runs, e.g. under torch.no_grad()): use 'sdpa' "
                              f"or 'auto' to train on CPU")
-        return AttentionMask("flex", block_mask=document_block_mask(document_ids, batch, seq, device))
+        return AttentionMask("flex", window, block_mask=document_block_mask(document_ids, batch, seq, device, window))
     if device.type != "cuda":
         raise ValueError(f"model.attention = 'varlen' needs a CUDA device (torch's varlen_attn runs Flash or "
                          f"cuDNN kernels), this forward is on {device.type}: use 'sdpa' or 'auto'")
@@ -162,20 +194,34 @@ def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, s
         raise ValueError(f"model.attention = 'varlen' needs torch.nn.attention.varlen.varlen_attn, which torch "
                          f"{torch.__version__} does not have: use 'flex' or 'sdpa'")
     # max_len bounds every document by its row's length: the exact maximum would wait for the device again.
-    return AttentionMask("varlen", cu_seqlens=document_offsets(document_ids, batch, seq, device), max_len=seq)
+    return AttentionMask("varlen", window, cu_seqlens=document_offsets(document_ids, batch, seq, device),
+                         max_len=seq)
+
+
+def cached_attention_mask(start: int, seq: int, device: torch.device, window: int | None) -> AttentionMask:
+    """Decoding with a KV cache: `seq` new queries at positions start.. over the start + seq cached keys."""
+    q_pos = torch.arange(start, start + seq, device=device)
+    k_pos = torch.arange(start + seq, device=device)
+    return AttentionMask("sdpa", window, dense=causal_window_mask(q_pos, k_pos, window)[None, None])
 
 
 def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def document_block_mask(document_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device):
-    """FlexAttention BlockMask: causal, and within one document when `document_ids` are given."""
-    mask_mod = _causal
-    if document_ids is not None:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return _causal(b, h, q_idx, kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
-    return _flex(device)[1](mask_mod, batch, None, seq, seq, device=device)
+def document_block_mask(document_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device,
+                        window: int | None = None):
+    """FlexAttention BlockMask: causal, within one document when `document_ids` are given, and within the
+    sliding `window` when given."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = _causal(b, h, q_idx, kv_idx)
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        if document_ids is not None:
+            keep = keep & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+        return keep
+
+    return _flex(device)[1](mask_mod, batch if document_ids is not None else None, None, seq, seq, device=device)
 
 
 def document_offsets(document_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -191,19 +237,23 @@ def document_offsets(document_ids: torch.Tensor | None, batch: int, seq: int, de
     return torch.cat((offsets, total)).to(torch.int32)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-    """q (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+           scale: float | None = None) -> torch.Tensor:
+    """q (batch, heads, q_len, head_dim), k and v (batch, kv_heads, k_len, head_dim) -> (batch, q_len, heads,
+    head_dim).
 
-    Every backend computes the same causal, within-document softmax attention with scale 1/sqrt(head_dim).
+    Every backend computes the same causal, within-document (and within-window) softmax attention with
+    `scale` (None: 1/sqrt(head_dim)).
     """
     if mask.backend == "sdpa":
         if mask.dense is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True, scale=scale)
         return out.transpose(1, 2)
     if mask.backend == "flex":
-        return _flex(q.device)[0](q, k, v, block_mask=mask.block_mask, enable_gqa=True).transpose(1, 2)
+        return _flex(q.device)[0](q, k, v, block_mask=mask.block_mask, enable_gqa=True,
+                                  scale=scale).transpose(1, 2)
     if mask.backend != "varlen":
         raise ValueError(f"unknown attention backend {mask.backend!r}")
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -219,38 +269,89 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
 
     kwargs = {"enable_gqa": True} if _VARLEN_GQA else {}
     # The same offsets tensor for q and k: cuDNN takes causal packed sequences only then.
+    window = (-1, 0) if mask.window is None else (mask.window - 1, 0)
     out = _varlen_attn(tokens(q), tokens(k), tokens(v), mask.cu_seqlens, mask.cu_seqlens, mask.max_len,
-                       mask.max_len, window_size=(-1, 0), **kwargs)
+                       mask.max_len, window_size=window, scale=scale, **kwargs)
     return out.reshape(bsz, seq, n_heads, head_dim)
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE; the kernel is the one `mask` was built for (see `attend`)."""
+    """Grouped-query attention with RoPE, optional QK-norm (per head or across heads) and biases; the kernel is
+    the one `mask` was built for (see `attend`). With `cache` (decoding), the new keys and values are written
+    at `cache.start` and the queries attend over everything cached so far."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool = False):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool = False,
+                 qk_norm: str = "none", norm_kind: str = "rms", norm_eps: float = 1e-6, scale: float | None = None):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            width = head_dim if qk_norm == "head" else None
+            self.q_norm = build_norm(norm_kind, width or n_heads * head_dim, norm_eps)
+            self.k_norm = build_norm(norm_kind, width or n_kv_heads * head_dim, norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
+                cache: "LayerCache | None" = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
         # -1 heads: under tensor parallel each rank holds a slice of the heads.
-        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q = q.view(bsz, seq, -1, self.head_dim)
+        k = k.view(bsz, seq, -1, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attend(q, k, v, mask).reshape(bsz, seq, -1))
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return self.o_proj(attend(q, k, v, mask, self.scale).reshape(bsz, seq, -1))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+class LayerCache:
+    """One layer's keys and values for decoding: (batch, kv_heads, max_len, head_dim) buffers, filled up to
+    `start` before a forward and up to `start + seq` after it."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, start: int):
+        self.k, self.v, self.start = k, v, start
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, decoding needs {end}")
+        self.k[:, :, self.start:end] = k
+        self.v[:, :, self.start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with `silu` (Llama), GeGLU with tanh-`gelu` (Gemma)."""
+
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.activation = activation
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class MLP(nn.Module):
+    """down(gelu(up(x))) with exact GELU (GPT-NeoX)."""
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = True):
+        super().__init__()
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x)))

@@ -8,7 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from maester.models.llama_args import LLAMA_FLAVORS, LlamaArgs
+from maester.models.args import TransformerArgs
+from maester.models.flavors import GEMMA3_FLAVORS, GPT_NEOX_FLAVORS, LLAMA_FLAVORS, OLMO2_FLAVORS, QWEN3_FLAVORS
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class Architecture:
         return getattr(importlib.import_module(module), name)
 
 
+_TRANSFORMER = "maester.models.transformer:Transformer"
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture(LlamaArgs, LLAMA_FLAVORS, "maester.models.llama:Llama"),
+    "llama": Architecture(TransformerArgs, LLAMA_FLAVORS, _TRANSFORMER),
+    "gemma3": Architecture(TransformerArgs, GEMMA3_FLAVORS, _TRANSFORMER),
+    "qwen3": Architecture(TransformerArgs, QWEN3_FLAVORS, _TRANSFORMER),
+    "olmo2": Architecture(TransformerArgs, OLMO2_FLAVORS, _TRANSFORMER),
+    "gpt_neox": Architecture(TransformerArgs, GPT_NEOX_FLAVORS, _TRANSFORMER),
 }

@@ -1,0 +1,95 @@
+"""Named flavors of each architecture: the published shapes, plus tiny ones for tests and debugging.
+
+Each architecture is a dict of defaults (what makes it Llama or Gemma) applied under every flavor's shape.
+The published parameter counts these give are checked in tests/models/test_flavors.py.
+"""
+
+from __future__ import annotations
+
+from maester.models.args import RopeScaling, TransformerArgs
+
+
+def _family(defaults: dict, shapes: dict[str, dict]) -> dict[str, TransformerArgs]:
+    return {name: TransformerArgs(**{**defaults, **shape}) for name, shape in shapes.items()}
+
+
+LLAMA = dict(norm="rms", norm_eps=1e-5, rope_theta=500000.0)
+_LLAMA3_VOCAB = 128256
+_LLAMA31 = dict(vocab_size=_LLAMA3_VOCAB, rope_scaling=RopeScaling(factor=8.0))
+LLAMA_FLAVORS = _family(LLAMA, {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192, rope_theta=10000.0),
+    # The demo model: small enough to learn byte-level text on a laptop CPU in a couple of minutes.
+    "demo": dict(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_hidden_dim=512, rope_theta=10000.0,
+                 max_seq_len=2048),
+    # Llama 3.2 (1B, 3B: tied heads), 3.1 / 3.3 (8B, 70B, 405B).
+    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192, vocab_size=_LLAMA3_VOCAB,
+               rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True),
+    "3B": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden_dim=8192, vocab_size=_LLAMA3_VOCAB,
+               rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, **_LLAMA31),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, **_LLAMA31),
+    "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden_dim=53248, **_LLAMA31),
+})
+
+# Gemma 3 text: 5 sliding-window layers per global one, QK-norm, sandwich (1 + w) RMSNorms, tanh-GeGLU,
+# embeddings scaled by sqrt(dim), local RoPE base 10k and global 1M (linearly scaled by 8 from 4B up).
+GEMMA3 = dict(norm="rms_offset", norm_eps=1e-6, norm_placement="sandwich", qk_norm="head", mlp="geglu",
+              rope_theta=1_000_000.0, local_rope_theta=10_000.0, sliding_window_pattern=6, embedding_scale=True,
+              tie_embeddings=True, head_dim=256, query_pre_attn_scalar=256)
+_GEMMA3_LONG = dict(vocab_size=262208, sliding_window=1024, max_seq_len=131072,
+                    rope_scaling=RopeScaling(rope_type="linear", factor=8.0))
+GEMMA3_FLAVORS = _family(GEMMA3, {
+    "tiny": dict(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192, head_dim=16,
+                 query_pre_attn_scalar=16, sliding_window=8),
+    "270M": dict(dim=640, n_layers=18, n_heads=4, n_kv_heads=1, ffn_hidden_dim=2048, vocab_size=262144,
+                 sliding_window=512, max_seq_len=32768),
+    "1B": dict(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, ffn_hidden_dim=6912, vocab_size=262144,
+               sliding_window=512, max_seq_len=32768),
+    "4B": dict(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, ffn_hidden_dim=10240, **_GEMMA3_LONG),
+    "12B": dict(dim=3840, n_layers=48, n_heads=16, n_kv_heads=8, ffn_hidden_dim=15360, **_GEMMA3_LONG),
+    "27B": dict(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, ffn_hidden_dim=21504, head_dim=128,
+                query_pre_attn_scalar=168, **_GEMMA3_LONG),
+})
+
+# Qwen 3 dense: Llama with per-head QK-norm and head_dim 128; small sizes tie the head.
+QWEN3 = dict(norm="rms", norm_eps=1e-6, qk_norm="head", rope_theta=1_000_000.0, head_dim=128, vocab_size=151936,
+             max_seq_len=40960)
+QWEN3_FLAVORS = _family(QWEN3, {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192, head_dim=16, vocab_size=None),
+    "0.6B": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=3072, tie_embeddings=True),
+    "1.7B": dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_hidden_dim=6144, tie_embeddings=True),
+    "4B": dict(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=9728, tie_embeddings=True),
+    "8B": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden_dim=12288),
+    "14B": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, ffn_hidden_dim=17408),
+    "32B": dict(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, ffn_hidden_dim=25600),
+})
+
+# OLMo 2: RMSNorm on each sublayer's output (before the residual add) and QK-norm across all heads.
+OLMO2 = dict(norm="rms", norm_eps=1e-6, norm_placement="post", qk_norm="full", rope_theta=500000.0,
+             vocab_size=100352, max_seq_len=4096)
+OLMO2_FLAVORS = _family(OLMO2, {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden_dim=192, vocab_size=None),
+    "1B": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_hidden_dim=8192),
+    "7B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=11008),
+    "13B": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_hidden_dim=13824),
+    "32B": dict(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, ffn_hidden_dim=27648),
+})
+
+# GPT-NeoX: LayerNorm with bias, parallel residual, RoPE on a quarter of each head, biased projections and a
+# plain GELU MLP. Pythia flavors are the suite's published shapes.
+GPT_NEOX = dict(norm="layer", norm_eps=1e-5, parallel_residual=True, attention_bias=True, mlp="gelu",
+                mlp_bias=True, rotary_fraction=0.25, rope_theta=10000.0, max_seq_len=2048)
+GPT_NEOX_FLAVORS = _family(GPT_NEOX, {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden_dim=256),
+    "pythia-70m": dict(dim=512, n_layers=6, n_heads=8, n_kv_heads=8, ffn_hidden_dim=2048, vocab_size=50304),
+    "pythia-160m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_hidden_dim=3072, vocab_size=50304),
+    "pythia-410m": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=16, ffn_hidden_dim=4096, vocab_size=50304),
+    "pythia-1b": dict(dim=2048, n_layers=16, n_heads=8, n_kv_heads=8, ffn_hidden_dim=8192, vocab_size=50304),
+    "pythia-1.4b": dict(dim=2048, n_layers=24, n_heads=16, n_kv_heads=16, ffn_hidden_dim=8192, vocab_size=50304),
+    "pythia-2.8b": dict(dim=2560, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=10240,
+                        vocab_size=50304),
+    "pythia-6.9b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=16384,
+                        vocab_size=50432),
+    "pythia-12b": dict(dim=5120, n_layers=36, n_heads=40, n_kv_heads=40, ffn_hidden_dim=20480, vocab_size=50688),
+    "20B": dict(dim=6144, n_layers=44, n_heads=64, n_kv_heads=64, ffn_hidden_dim=24576, vocab_size=50432),
+})

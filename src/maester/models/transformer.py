@@ -1,0 +1,151 @@
+"""The decoder-only transformer every architecture is built from (Llama, Gemma 3, Qwen 3, OLMo 2, GPT-NeoX).
+
+A block is attention then MLP, each a residual branch; `TransformerArgs` picks the norm kind and where it
+sits (pre, post or both), QK-norm, the MLP kind, biases, partial rotary, sliding-window layers and a parallel
+residual. Parameter names are the same for every architecture, so parallel plans and checkpoints need no
+per-model code; `maester.models.hf` maps them to and from Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from maester.models.args import TransformerArgs
+from maester.models.layers import (
+    MLP,
+    Attention,
+    AttentionMask,
+    GatedMLP,
+    LayerCache,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_mask,
+    build_norm,
+    cached_attention_mask,
+)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        norm = lambda: build_norm(args.norm, args.dim, args.norm_eps)  # noqa: E731
+        pre, post = args.norm_placement in ("pre", "sandwich"), args.norm_placement in ("post", "sandwich")
+        self.parallel_residual = args.parallel_residual
+        self.attention_norm = norm() if pre else nn.Identity()
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.resolved_head_dim,
+                                   bias=args.attention_bias, qk_norm=args.qk_norm, norm_kind=args.norm,
+                                   norm_eps=args.norm_eps, scale=args.attention_scale)
+        self.post_attention_norm = norm() if post else nn.Identity()
+        self.ffn_norm = norm() if pre else nn.Identity()
+        if args.mlp == "gelu":
+            self.feed_forward = MLP(args.dim, args.ffn_hidden_dim, bias=args.mlp_bias)
+        else:
+            self.feed_forward = GatedMLP(args.dim, args.ffn_hidden_dim, "silu" if args.mlp == "swiglu" else "gelu",
+                                         bias=args.mlp_bias)
+        self.post_ffn_norm = norm() if post else nn.Identity()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, mask, cache))
+        if self.parallel_residual:
+            return x + h + self.feed_forward(self.ffn_norm(x))
+        x = x + h
+        return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding, and how many positions are filled."""
+
+    def __init__(self, args: TransformerArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (batch, args.n_kv_heads, max_len, args.resolved_head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.length = 0
+
+    def layer(self, i: int) -> LayerCache:
+        return LayerCache(self.keys[i], self.values[i], self.length)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        if args.vocab_size is None:
+            raise ValueError("TransformerArgs.vocab_size must be resolved (from the tokenizer) before building")
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.rotary = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.rope_scaling)
+        if args.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(args.rotary_dim, args.local_rope_theta)
+        # A ModuleDict keyed by layer index keeps fully-qualified names stable when layers are wrapped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = build_norm(args.norm, args.dim, args.norm_eps)
+        # Tied embeddings: the head reuses the embedding matrix (no second parameter to keep tied).
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.layer_windows = [args.layer_window(i) for i in range(args.n_layers)]
+        self.layer_ropes = [args.layer_rope(i) for i in range(args.n_layers)]
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer in place (after `to_empty` from the meta device)."""
+        std = self.args.init_std
+        # Residual-branch outputs are scaled down with depth (GPT-2) so activations stay O(1).
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, nn.LayerNorm, RotaryEmbedding)):
+                module.reset_parameters()
+        for block in self.layers.values():
+            attn, mlp = block.attention, block.feed_forward
+            gate = [mlp.gate_proj] if isinstance(mlp, GatedMLP) else []
+            inputs = [attn.q_proj, attn.k_proj, attn.v_proj, *gate, mlp.up_proj]
+            for lin, s in [(lin, std) for lin in inputs] + [(attn.o_proj, out_std), (mlp.down_proj, out_std)]:
+                nn.init.trunc_normal_(lin.weight, std=s, a=-3 * s, b=3 * s)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+        if self.output is not None:
+            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids (batch, seq) -> logits (batch, seq, vocab).
+
+        `position_ids` default to 0..seq-1 (after the cached positions with `cache`); with `document_ids` (-1 on
+        padding), attention stays within each document. `args.attention` picks the kernel (see
+        `layers.resolve_attention`), never the result. With `cache` the tokens continue the cached ones
+        (decoding; masked SDPA, no documents) and the cache grows by seq.
+        """
+        bsz, seq = input_ids.shape
+        device = input_ids.device
+        start = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(start, start + seq, device=device).expand_as(input_ids)
+        h = self.tok_embeddings(input_ids)
+        if self.args.embedding_scale:
+            h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
+        ropes = {"global": self.rotary(position_ids, h.dtype)}
+        if "local" in self.layer_ropes:
+            ropes["local"] = self.local_rotary(position_ids, h.dtype)
+        needs_grad = torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad
+        masks = {}
+        for window in set(self.layer_windows):
+            if cache is not None:
+                if document_ids is not None:
+                    raise ValueError("decoding with a KV cache takes no document_ids")
+                masks[window] = cached_attention_mask(start, seq, device, window)
+            else:
+                masks[window] = attention_mask(self.args.attention, document_ids, bsz, seq, device, needs_grad,
+                                               window)
+        for i, block in enumerate(self.layers.values()):
+            cos, sin = ropes[self.layer_ropes[i]]
+            if cache is None:
+                h = block(h, cos, sin, masks[self.layer_windows[i]])
+            else:
+                h = block(h, cos, sin, masks[self.layer_windows[i]], cache.layer(i))
+        if cache is not None:
+            cache.length += seq
+        h = self.norm(h)
+        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
