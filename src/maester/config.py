@@ -47,10 +47,13 @@ class JobConfig(Section):
 
 class ModelConfig(Section):
     name: str = "llama"
-    """Architecture name (see `maester.models.registry`)."""
+    """Architecture name (see `maester.models.registry`): llama, gemma3, qwen3, olmo2, gpt_neox."""
     flavor: str = "demo"
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Any architecture field, e.g. `{n_layers = 4}`; replaced by the validated, typed values."""
+    hf_config: str | None = None
+    """A Hugging Face `config.json` (or the directory holding it) to take the architecture from instead of a
+    flavor; `name` follows its model_type and `overrides` still apply, e.g. a public model with fewer layers."""
     attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """The attention kernel; it changes speed and memory, never parameters or results. `sdpa`:
     `scaled_dot_product_attention`, with a dense (batch, seq, seq) mask when rows pack several documents; runs
@@ -62,10 +65,20 @@ class ModelConfig(Section):
     def _check_architecture(self) -> "ModelConfig":
         if "attention" in self.overrides:
             raise ValueError("model.overrides.attention: the attention kernel is set by model.attention")
+        if self.hf_config is not None:
+            from maester.models.hf import architecture_of, read_hf_config
+
+            if self.flavor != ModelConfig.model_fields["flavor"].default:
+                raise ValueError(f"model.flavor ({self.flavor!r}) and model.hf_config exclude each other: the "
+                                 f"architecture comes from the HF config")
+            name = architecture_of(read_hf_config(self.hf_config), f"model.hf_config ({self.hf_config})")
+            if self.name != name and self.name != ModelConfig.model_fields["name"].default:
+                raise ValueError(f"model.name {self.name!r} differs from model.hf_config's model type ({name})")
+            object.__setattr__(self, "name", name)
         if self.name not in ARCHITECTURES:
             raise ValueError(f"model.name {self.name!r} is unknown{_suggest(self.name, ARCHITECTURES)}")
         flavors = ARCHITECTURES[self.name].flavors
-        if self.flavor not in flavors:
+        if self.hf_config is None and self.flavor not in flavors:
             raise ValueError(f"model.flavor {self.flavor!r} is not a flavor of {self.name}"
                              f"{_suggest(self.flavor, flavors)}")
         args = self.architecture()
@@ -83,7 +96,12 @@ class ModelConfig(Section):
         if bad:
             raise ValueError("; ".join(f"model.overrides.{k} is not a field of {self.name}{_suggest(k, fields)}"
                                        for k in bad))
-        base = arch.flavors[self.flavor].model_dump()
+        if self.hf_config is not None:
+            from maester.models.hf import args_from_hf, read_hf_config
+
+            base = args_from_hf(read_hf_config(self.hf_config), f"model.hf_config ({self.hf_config})")[1]
+        else:
+            base = arch.flavors[self.flavor].model_dump()
         try:
             return arch.args_class.model_validate({**base, **self.overrides, "attention": self.attention})
         except ValidationError as e:

@@ -144,3 +144,20 @@ def test_kv_cache_logits_equal_a_full_forward():
         parts = [model(x[:, :7], cache=cache)] + [model(x[:, i:i + 1], cache=cache) for i in range(7, 20)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
     assert cache.length == 20
+
+
+def test_model_hf_config_takes_the_architecture_and_overrides(hf_dir, tmp_path):
+    from maester.config import Config, ModelConfig
+    from maester.models.build import build_on_meta, resolve_args
+
+    case, name, args, hf, path = hf_dir
+    cfg = ModelConfig(hf_config=str(path), overrides={"n_layers": 1})
+    assert cfg.name == name
+    built = resolve_args(cfg, VOCAB)
+    assert built == args.model_copy(update={"n_layers": 1, "attention": "auto"})
+    assert build_on_meta(cfg, built).args.n_layers == 1
+    # The saved config reloads to the same model section.
+    full = Config(model=cfg)
+    assert Config.model_validate_json(full.to_json()).model == full.model
+    with pytest.raises(ValueError, match="model.flavor"):
+        ModelConfig(hf_config=str(path), flavor="tiny")
