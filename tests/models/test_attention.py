@@ -73,9 +73,14 @@ LENGTHS = (9, 14, 5, 11, 3, 7, 12)
 # ---------------------------------------------------------------- packed rows vs each conversation alone (CPU)
 
 
+# A window of 6 tokens on the first of the tiny model's two layers (every 2nd layer is global).
+WINDOWED = dict(sliding_window=6, sliding_window_pattern=2)
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["global", "window"])
 @pytest.mark.parametrize("attention", ["sdpa", "auto"])
-def test_packed_rows_give_each_conversation_its_own_losses_and_gradients(attention):
-    model = tiny_model(attention, seed=3)
+def test_packed_rows_give_each_conversation_its_own_losses_and_gradients(attention, window):
+    model = tiny_model(attention, seed=3, **(WINDOWED if window else {}))
     convs = conversations(LENGTHS, model.args.vocab_size, seed=1)
     input_ids, labels, position_ids, document_ids, places = pack(convs, seq=24)
     assert len(input_ids) == 3 and (document_ids == -1).any(), "the test packs several rows, with padding"
@@ -115,9 +120,11 @@ def _flex_forward_on_cpu_or_skip(model, *args, **kwargs):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU, by design
+@pytest.mark.parametrize("window", [False, True], ids=["global", "window"])
 @pytest.mark.parametrize("documents", [True, False], ids=["documents", "causal"])
-def test_flex_forward_on_cpu_matches_sdpa(documents):
-    sdpa, flex = tiny_model("sdpa", seed=5), tiny_model("flex", seed=5)
+def test_flex_forward_on_cpu_matches_sdpa(documents, window):
+    overrides = WINDOWED if window else {}
+    sdpa, flex = tiny_model("sdpa", seed=5, **overrides), tiny_model("flex", seed=5, **overrides)
     convs = conversations(LENGTHS, sdpa.args.vocab_size, seed=2)
     input_ids, labels, position_ids, document_ids, _ = pack(convs, seq=24)
     kwargs = {"position_ids": position_ids, "document_ids": document_ids} if documents else {}
@@ -147,10 +154,12 @@ def _losses_and_grads(model, batch, precision: str, documents: bool):
 @pytest.mark.parametrize("backend", ["flex", "varlen"])
 @pytest.mark.parametrize("documents", [True, False], ids=["documents", "causal"])
 @pytest.mark.parametrize("seq", [256, 200])  # 200: rows that end inside one of FlexAttention's 128-token blocks
-def test_cuda_backends_match_sdpa_forward_and_backward(backend, precision, documents, seq):
+@pytest.mark.parametrize("window", [None, 48])  # 48: a sliding window on the first layer, inside the blocks
+def test_cuda_backends_match_sdpa_forward_and_backward(backend, precision, documents, seq, window):
     cuda = torch.device("cuda")
-    sdpa = tiny_model("sdpa", device=cuda, seed=7)
-    other = tiny_model(backend, device=cuda, seed=7)
+    overrides = dict(sliding_window=window, sliding_window_pattern=2) if window else {}
+    sdpa = tiny_model("sdpa", device=cuda, seed=7, **overrides)
+    other = tiny_model(backend, device=cuda, seed=7, **overrides)
     other.load_state_dict(sdpa.state_dict())
     # Conversations that cross block boundaries, and rows that end in padding.
     convs = conversations((100, 90, 37, 150, 60, 90, 20, seq), sdpa.args.vocab_size, seed=3)
@@ -242,3 +251,22 @@ def test_varlen_offsets_follow_document_runs_and_rows():
     assert document_offsets(document_ids, 3, 6, CPU).tolist() == [0, 2, 5, 6, 10, 12, 18]
     assert document_offsets(document_ids, 3, 6, CPU).dtype == torch.int32
     assert document_offsets(None, 3, 6, CPU).tolist() == [0, 6, 12, 18]
+
+
+def test_sliding_window_mask_keeps_exactly_the_last_window_tokens_of_the_document():
+    from maester.models.layers import document_causal_mask
+
+    docs = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1, -1]])
+    mask = document_causal_mask(docs, 10, CPU, window=3)[0, 0]
+    for q in range(10):
+        expected = [k for k in range(10) if k <= q and q - k < 3 and docs[0, k] == docs[0, q]]
+        assert mask[q].nonzero().flatten().tolist() == expected
+
+
+def test_a_window_changes_the_result_only_past_the_window():
+    base, windowed = tiny_model("sdpa", seed=4), tiny_model("sdpa", seed=4, **WINDOWED)
+    ids = torch.randint(0, base.args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = base(ids), windowed(ids)
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=0, atol=1e-6)  # within the window: the same function
+    assert (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3

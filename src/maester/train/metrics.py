@@ -2,12 +2,13 @@
 
 MFU follows PaLM (Chowdhery et al. 2022, appendix B):
 
-    MFU = tokens_per_second_per_device * (6 * N + 12 * L * H * Q * T) / peak_flops_per_device
+    MFU = tokens_per_second_per_device * (6 * N + 12 * H * Q * sum over layers of min(W, T)) / peak_flops_per_device
 
 N counts the parameters that take part in matrix multiplies: every parameter except the input-embedding
-table, whose lookup is not a matmul; a tied embedding is counted, because it is the output head. L is the
-number of layers, H the attention heads, Q the head dimension and T the sequence length. Causal sparsity is
-not discounted and recomputation (activation checkpointing) is not counted.
+table, whose lookup is not a matmul; a tied embedding is counted once, because it is the output head. H is
+the number of attention heads, Q the head dimension, T the sequence length and W a layer's sliding window
+(T for a global layer), so a model without windows gets the usual 12 * L * H * Q * T. Causal sparsity is not
+discounted and recomputation (activation checkpointing) is not counted.
 """
 
 from __future__ import annotations
@@ -52,14 +53,20 @@ def matmul_parameters(model: nn.Module) -> int:
     return total
 
 
-def flops_per_token(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Training FLOPs (forward and backward) per token: 6N + 12·L·H·Q·T."""
-    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * seq_len
+def flops_per_token(n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
+                    windows: list[int | None] | None = None) -> int:
+    """Training FLOPs (forward and backward) per token: 6N + 12·H·Q·Σ_layers min(W, T); `windows` gives each
+    layer's sliding window (None: global), all global when omitted."""
+    windows = windows if windows is not None else [None] * n_layers
+    attended = sum(seq_len if w is None else min(w, seq_len) for w in windows)
+    return 6 * n_matmul_params + 12 * n_heads * head_dim * attended
 
 
 def model_flops_per_token(model: nn.Module, seq_len: int) -> int:
     args = model.args
-    return flops_per_token(matmul_parameters(model), args.n_layers, args.n_heads, args.resolved_head_dim, seq_len)
+    windows = [args.layer_window(i) for i in range(args.n_layers)]
+    return flops_per_token(matmul_parameters(model), args.n_layers, args.n_heads, args.resolved_head_dim, seq_len,
+                           windows)
 
 
 def device_peak_flops(device: torch.device) -> float | None:
