@@ -50,7 +50,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
                 cache: LayerCache | None = None) -> torch.Tensor:
-        h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, mask, cache))
+        h = self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, mask, cache=cache))
         if self.parallel_residual:
             return x + h + self.feed_forward(self.ffn_norm(x))
         x = x + h

@@ -53,20 +53,31 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
                                               use_local_output=False)
     parallelize_module(model, tp_mesh, root_plan)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
+        plan = {
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None)),
             "attention.q_proj": ColwiseParallel(),
             "attention.k_proj": ColwiseParallel(),
             "attention.v_proj": ColwiseParallel(),
             "attention.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.gate_proj": ColwiseParallel(),
             "feed_forward.up_proj": ColwiseParallel(),
             "feed_forward.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        }
+        if hasattr(block.feed_forward, "gate_proj"):
+            plan["feed_forward.gate_proj"] = ColwiseParallel()
+        # Norms see sequence-sharded activations (absent ones are nn.Identity); a post-norm's output joins the
+        # residual stream, which is a plain (sequence-sharded) tensor.
+        for norm in ("attention_norm", "post_attention_norm", "ffn_norm", "post_ffn_norm"):
+            if not isinstance(getattr(block, norm), nn.Identity):
+                plan[norm] = SequenceParallel(use_local_output=norm.startswith("post"))
+        # QK-norm inside attention sees this rank's heads, in dim 2 either way: of (batch, seq, heads, head_dim)
+        # per head, of (batch, seq, heads * head_dim) across heads (OLMo 2), where DTensor reduces the mean over
+        # the ranks. The weight is a replicated DTensor, so its gradient is summed over the ranks.
+        if block.attention.qk_norm != "none":
+            for norm in ("attention.q_norm", "attention.k_norm"):
+                plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
 
 
 def uses_loss_parallel(model: nn.Module) -> bool:

@@ -1,0 +1,79 @@
+"""Tensor parallel computes the same losses and gradients as one process, for every architecture: two gloo
+processes on CPU, each comparing its TP model with an unsharded copy of the same weights."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from maester.config import ModelConfig
+from maester.models.build import build_on_meta, materialize, resolve_args
+
+ARCHS = ["llama", "gemma3", "qwen3", "olmo2", "gpt_neox"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, name: str, tied: bool, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        from maester.parallel.parallelize import apply_tensor_parallel, uses_loss_parallel
+
+        cfg = ModelConfig(name=name, flavor="tiny", attention="sdpa", overrides={"tie_embeddings": tied})
+        args = resolve_args(cfg, 269)
+        reference = materialize(build_on_meta(cfg, args), torch.device("cpu"), seed=1)
+        model = materialize(build_on_meta(cfg, args), torch.device("cpu"), seed=1)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(model, mesh)
+        g = torch.Generator().manual_seed(2)
+        ids = torch.randint(0, args.vocab_size, (2, 16), generator=g)
+        labels = torch.randint(0, args.vocab_size, (2, 16), generator=g)
+        docs = torch.tensor([[0] * 10 + [1] * 6, [0] * 16])
+
+        expected = F.cross_entropy(reference(ids, document_ids=docs).flatten(0, 1), labels.flatten())
+        expected.backward()
+        logits = model(ids, document_ids=docs)
+        if uses_loss_parallel(model):
+            with loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+                loss.backward()
+        else:
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        ref_params = dict(reference.named_parameters())
+        for pname, p in model.named_parameters():
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            torch.testing.assert_close(grad, ref_params[pname].grad, rtol=1e-4, atol=1e-6, msg=pname)
+    except BaseException as e:  # report to the parent: a failing assert in a child is otherwise only printed
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("name", ARCHS)
+def test_tensor_parallel_matches_one_process(name, tied):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(2, _free_port(), name, tied, errors), nprocs=2, join=True,
+                       start_method="spawn")
+    assert errors.empty(), errors.get()
