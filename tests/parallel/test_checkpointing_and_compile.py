@@ -13,7 +13,7 @@ RUN = dict(training__steps=3, checkpoint__interval=0, checkpoint__save_final="fa
 
 
 def run_losses(corpus, tmp_path, name, **extra) -> list[float]:
-    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", name, **RUN, **extra), environ={})
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", name, **{**RUN, **extra}), environ={})
     trainer = Trainer(cfg, cfg.job_dir)
     trainer.train()
     return trainer, [r["loss"] for r in read_metrics(cfg.job_dir / "metrics.jsonl")]
@@ -44,3 +44,20 @@ def test_compile_keeps_losses(corpus, tmp_path):
     assert all(type(b).__name__ == "OptimizedModule" for b in trainer.model.layers.values())
     assert compiled == pytest.approx(plain, rel=1e-5)
     assert all("_orig_mod" not in k for k in _checkpoint_keys(trainer))
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "olmo2", "gpt_neox"])
+def test_every_architecture_trains_and_selective_checkpointing_keeps_its_losses(corpus, tmp_path, name):
+    steps = dict(training__steps=6, optimizer__lr="1e-2")
+    _, plain = run_losses(corpus, tmp_path, f"{name}-plain", model__name=name, **steps)
+    assert plain[-1] < plain[0] - 0.5, plain
+    _, checkpointed = run_losses(corpus, tmp_path, f"{name}-ac", model__name=name, **steps,
+                                 parallel__activation_checkpointing="selective-op")
+    assert checkpointed == pytest.approx(plain, rel=1e-6)
+
+
+def test_compile_keeps_the_losses_of_a_sliding_window_model(corpus, tmp_path):
+    _, plain = run_losses(corpus, tmp_path, "gemma3-plain", model__name="gemma3")
+    trainer, compiled = run_losses(corpus, tmp_path, "gemma3-compiled", model__name="gemma3", parallel__compile="true")
+    assert all(type(b).__name__ == "OptimizedModule" for b in trainer.model.layers.values())
+    assert compiled == pytest.approx(plain, rel=1e-5)
