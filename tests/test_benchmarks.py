@@ -28,3 +28,12 @@ def test_data_throughput_smoke(tmp_path):
     assert names[-2].startswith("text loader") and names[-1].startswith("indexed loader")
     assert all(float(r[2].replace(",", "")) > 0 for r in rows[1:])
     assert rows[1][3].strip() == "1.00"
+
+
+def test_generate_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "generate.py"), "--smoke"],
+                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[1].strip() for r in rows[1:]] == ["llama demo", "gemma3 (demo width)"]
+    assert all(float(r[5].strip().rstrip("x")) > 1 for r in rows[1:])  # the cache is faster
