@@ -38,7 +38,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = norm() if pre else nn.Identity()
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.resolved_head_dim,
                                    bias=args.attention_bias, qk_norm=args.qk_norm, norm_kind=args.norm,
-                                   norm_eps=args.norm_eps, scale=args.attention_scale)
+                                   norm_eps=args.norm_eps,
+                                   # None: the kernels' own 1/sqrt(head_dim)
+                                   scale=args.attention_scale if args.query_pre_attn_scalar else None)
         self.post_attention_norm = norm() if post else nn.Identity()
         self.ffn_norm = norm() if pre else nn.Identity()
         if args.mlp == "gelu":
