@@ -411,8 +411,8 @@ def test_model_overrides_are_typed():
 
 def test_model_overrides_nested_model_is_filled_in():
     cfg = load_config(DEMO, ['--model.overrides.rope_scaling={"factor": 4}'], environ={})
-    assert cfg.model.overrides["rope_scaling"] == {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                   "original_max_position_embeddings": 8192}
+    assert cfg.model.overrides["rope_scaling"] == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     assert cfg.model.architecture().rope_scaling.factor == 4.0
 
 
@@ -420,7 +420,7 @@ def test_model_overrides_nested_model_is_filled_in():
     (["--model.overrides.dim=128"], "dim (128) must be divisible by n_heads (6)"),
     (["--model.overrides.n_kv_heads=4"], "n_heads (6) must be a multiple of n_kv_heads (4)"),
     (["--model.overrides.n_layers=0"], "n_layers must be positive"),
-    (["--model.overrides.head_dim=33"], "head_dim must be even"),
+    (["--model.overrides.head_dim=33"], "rotary dims (head_dim 33 x rotary_fraction 1.0) must be positive and even"),
     (["--model.overrides.dim=big"], "model.overrides.dim"),
 ])
 def test_invalid_architecture_is_rejected_naming_model_overrides(overrides, fragment):

@@ -316,6 +316,10 @@ LOAD_MODES: dict[str, frozenset[str]] = {
 """The parts of `checkpoint.init_from` each `checkpoint.load_mode` takes; every other part starts fresh."""
 
 
+HF_PREFIX = "hf:"
+"""`checkpoint.init_from = "hf:PATH"` names a Hugging Face model directory instead of a checkpoint."""
+
+
 class CheckpointConfig(Section):
     interval: int = Field(500, ge=0)
     """Save every this many steps (0: only at the end)."""
@@ -324,7 +328,9 @@ class CheckpointConfig(Section):
     """Also keep every checkpoint whose step is a multiple of this, forever."""
     init_from: str | None = None
     """A checkpoint directory (or job directory) that starts a new run; used only while the job has no
-    checkpoint of its own (a restarted job resumes from its own latest checkpoint, never again from this)."""
+    checkpoint of its own (a restarted job resumes from its own latest checkpoint, never again from this).
+    `hf:PATH`: the weights of a Hugging Face model directory (config.json + safetensors), whose architecture must
+    be the run's (`model.hf_config = PATH` takes it); it holds only weights, so only `model_only` applies."""
     load_mode: Literal["continue", "model_only", "model_data", "model_opt_data", "reset_optimizer", "transfer",
                        "transfer_with_lr"] = "model_only"
     """Which parts of `init_from` the run takes (`LOAD_MODES`); the rest start fresh. `continue`: model,
@@ -339,6 +345,15 @@ class CheckpointConfig(Section):
 
     @model_validator(mode="after")
     def _check_load_mode(self) -> "CheckpointConfig":
+        if self.init_from is not None and self.init_from.startswith(HF_PREFIX):
+            if not self.init_from[len(HF_PREFIX):]:
+                raise ValueError(f"checkpoint.init_from = {self.init_from!r}: give the Hugging Face model directory "
+                                 f"after {HF_PREFIX!r}")
+            taken = LOAD_MODES[self.load_mode] - {"model"}
+            if taken:
+                raise ValueError(f"checkpoint.load_mode = {self.load_mode!r} takes the {', '.join(sorted(taken))} "
+                                 f"of checkpoint.init_from, but {self.init_from!r} is a Hugging Face directory, "
+                                 f"which holds only weights: use load_mode = 'model_only'")
         if self.load_mode != "model_only" and not self.init_from:
             raise ValueError(f"checkpoint.load_mode = {self.load_mode!r} needs checkpoint.init_from (the "
                              "checkpoint to load from)")

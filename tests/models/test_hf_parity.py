@@ -161,3 +161,16 @@ def test_model_hf_config_takes_the_architecture_and_overrides(hf_dir, tmp_path):
     assert Config.model_validate_json(full.to_json()).model == full.model
     with pytest.raises(ValueError, match="model.flavor"):
         ModelConfig(hf_config=str(path), flavor="tiny")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_exported_config_reads_back_to_the_same_args(case):
+    from maester.models.hf import check_convertible
+
+    name, args = tiny_args(case)
+    read_name, fields = args_from_hf(hf_config(name, args))
+    assert read_name == name and TransformerArgs(**fields) == args
+    check_convertible(name, args)
+    # transformers 5 writes rope_parameters per layer type; they read back the same.
+    saved = transformers.AutoConfig.for_model(**hf_config(name, args)).to_dict()
+    assert TransformerArgs(**args_from_hf(saved)[1]) == args

@@ -534,8 +534,8 @@ def _load_chat_template(chat_template_path: str | None, tokenizer_path: str | No
         raise FileNotFoundError(f"data.sft.template = 'jinja': {file} does not exist")
     if file.suffix == ".jinja":  # a bare template file, as newer Hugging Face repos ship it
         beside = file.parent / "tokenizer_config.json"
-        return file.read_text(), file, _read_json(beside) if beside.is_file() else {}
-    config = _read_json(file)
+        return file.read_text(), file, read_json_object(beside) if beside.is_file() else {}
+    config = read_json_object(file)
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -553,7 +553,8 @@ def _load_chat_template(chat_template_path: str | None, tokenizer_path: str | No
     return template, file, config
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; errors name the file."""
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -113,14 +113,18 @@ def args_from_hf(hf: dict, where: str = "config.json") -> tuple[str, dict[str, A
         if hf.get("use_bidirectional_attention"):
             raise HFFormatError(f"{where}: use_bidirectional_attention is not supported (causal models only)")
         theta, scaling, _ = _rope(hf, "full_attention", where)
-        local_theta, local_scaling, _ = _rope(hf, "sliding_attention", where)
+        per_type = isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]
+        if per_type:  # transformers 5
+            local_theta, local_scaling, _ = _rope(hf, "sliding_attention", where)
+        else:  # transformers 4: rope_theta and rope_scaling are the global layers'
+            local_theta, local_scaling = hf.get("rope_local_base_freq"), None
         if local_scaling is not None:
             raise HFFormatError(f"{where}: scaled RoPE on sliding-window layers is not supported")
         fields.update(norm="rms_offset", norm_placement="sandwich", qk_norm="head", mlp="geglu",
                       embedding_scale=True, head_dim=hf.get("head_dim", 256),
                       query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
                       rope_theta=theta if theta is not None else 1_000_000.0, rope_scaling=scaling,
-                      local_rope_theta=local_theta or hf.get("rope_local_base_freq", 10_000.0),
+                      local_rope_theta=local_theta if local_theta is not None else 10_000.0,
                       sliding_window=hf.get("sliding_window", 4096),
                       sliding_window_pattern=_sliding_pattern(hf, where))
         return name, fields

@@ -1,7 +1,10 @@
-"""Sample text from a trained checkpoint: greedy, temperature and top-k."""
+"""Sample text from a trained checkpoint or a Hugging Face model directory: greedy, temperature, top-k, top-p; one
+prompt, or a file of them (a smoke suite)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,13 +17,148 @@ from maester.train.checkpoint import load_model_weights, resolve_checkpoint
 
 
 def load_for_inference(target: str | Path, device: torch.device) -> tuple[nn.Module, Tokenizer, Config]:
-    """Model and tokenizer from a job directory or checkpoint, using the config saved in the checkpoint."""
+    """Model and tokenizer from a job directory or checkpoint (with the config saved in the checkpoint), or from an
+    HF model directory (config.json, safetensors and the tokenizer.json beside them)."""
+    from maester.tools.convert import is_hf_model_dir
+
+    if is_hf_model_dir(target):
+        return load_hf_model_dir(Path(target), device)
     path = resolve_checkpoint(target)
     cfg = Config.from_json_file(path / "config.json")
     tokenizer = build_tokenizer(cfg.tokenizer)
+    return load_checkpoint_model(path, cfg, tokenizer, device).eval(), tokenizer, cfg
+
+
+def load_checkpoint_model(path: Path, cfg: Config, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
+    """The model of checkpoint `path`, built from its config `cfg`, in float32 on `device`."""
     model = materialize(build_on_meta(cfg.model, resolve_args(cfg.model, tokenizer.vocab_size)), device, 0)
     load_model_weights(path, model)
+    return model
+
+
+def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Tokenizer, Config]:
+    """An HF model directory as a model (float32 on `device`), its tokenizer, and the config that describes them:
+    the architecture from config.json (`model.hf_config`), the tokenizer and its chat template as `maester convert
+    from-hf` would set them."""
+    from maester.models.hf import read_hf_config, read_hf_tensors, state_dict_from_hf
+    from maester.tools.convert import hf_tokenizer_settings
+
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path}: no tokenizer.json: generating from an HF directory needs the model's "
+                                f"tokenizer.json (and tokenizer_config.json) beside its weights")
+    hf = read_hf_config(path)
+    cfg = Config.model_validate({"model": {"hf_config": str(path)}, **hf_tokenizer_settings(path, hf)})
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    args = resolve_args(cfg.model, tokenizer.vocab_size)
+    model = materialize(build_on_meta(cfg.model, args), device, 0)
+    model.load_state_dict(state_dict_from_hf(cfg.model.name, args, read_hf_tensors(path), where=str(path)),
+                          strict=True)
     return model.eval(), tokenizer, cfg
+
+
+def end_of_turn_ids(encoder) -> set[int]:
+    """The special tokens a chat template puts after an assistant's answer (its end of turn), found by encoding a
+    probe conversation. `ChatEncoder.prompt` finds them for the built-in templates and maester's own tokenizers;
+    for an HF tokenizer's Jinja template it knows only EOS, so its special (added) tokens are looked up here."""
+    from maester.data.tokenizers import ControlTokens, HFTokenizer
+
+    messages = [{"role": "user", "content": "x"}]
+    prompt, stop = encoder.prompt(messages)
+    answered = encoder.encode([*messages, {"role": encoder.sft.assistant_role, "content": "x"}]).tokens.tolist()
+    base = encoder.tokenizer.inner if isinstance(encoder.tokenizer, ControlTokens) else encoder.tokenizer
+    if isinstance(base, HFTokenizer):
+        specials = {i for i, token in base._tok.get_added_tokens_decoder().items() if token.special}
+        stop = stop | {t for t in answered[len(prompt):] if t in specials}
+    return stop
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: a text to continue, or a conversation (`messages`) to answer; `where` is its FILE:LINE."""
+
+    where: str
+    text: str | None = None
+    messages: list[dict] | None = None
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """A smoke suite: a text file with one prompt per line, or (`.jsonl`) one JSON object per line holding either
+    `{"prompt": "..."}` or `{"messages": [{"role": ..., "content": ...}, ...]}`. A bad line is an error naming
+    FILE:LINE."""
+    from maester.data.records import InvalidRecord, messages_of
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompts file {path}: not UTF-8 text: {e}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        where = f"{path}:{n}"
+        if not line.strip():
+            raise ValueError(f"{where}: empty line (every line is a prompt)")
+        if path.suffix != ".jsonl":
+            prompts.append(Prompt(where, text=line))
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON: {e}") from None
+        if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
+            raise ValueError(f"{where}: expected an object with either \"prompt\" or \"messages\", got "
+                             f"{line[:80]}")
+        if "prompt" in record:
+            if not isinstance(record["prompt"], str) or not record["prompt"]:
+                raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {record['prompt']!r}")
+            prompts.append(Prompt(where, text=record["prompt"]))
+        else:
+            try:
+                prompts.append(Prompt(where, messages=messages_of(record, where, "messages")))
+            except InvalidRecord as e:
+                raise ValueError(str(e)) from None
+    if not prompts:
+        raise ValueError(f"prompts file {path} holds no prompt")
+    return prompts
+
+
+class Completer:
+    """Completes prompts with one model and one set of sampling settings. A text is continued (with BOS first when
+    the config's `data.add_bos` says so), or with `chat` sent as a user message; a conversation is always answered
+    in the chat template (the config's `data.sft`), up to its end of turn."""
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, cfg: Config, *, chat: bool = False,
+                 max_new_tokens: int = 200, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0):
+        self.model, self.tokenizer, self.cfg, self.chat = model, tokenizer, cfg, chat
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        self.max_new_tokens = max_new_tokens
+        self._encoder = None
+
+    def complete(self, prompt: Prompt) -> str:
+        """The generated text: the answer of a chat prompt, the continuation of a text."""
+        stop: set[int] = set()
+        if prompt.messages is not None or self.chat:
+            encoder, stop = self._chat()
+            ids, _ = encoder.prompt(prompt.messages or [{"role": "user", "content": prompt.text}])
+        else:
+            ids = ([self.tokenizer.bos_id] if self.cfg.data.add_bos else []) + self.tokenizer.encode(prompt.text)
+        out = sample(self.model, ids, self.max_new_tokens, eos_id=self.tokenizer.eos_id, stop_ids=stop,
+                     **self.sampling)
+        return self.tokenizer.decode(out)
+
+    def _chat(self):
+        """The chat encoder of the config's `data.sft` and the ids that end an answer, built once."""
+        if self._encoder is None:
+            from maester.data.chat import ChatEncoder
+
+            encoder = ChatEncoder(self.tokenizer, self.cfg.data.sft, self.cfg.tokenizer.path)
+            self._encoder = encoder, end_of_turn_ids(encoder)
+        return self._encoder
 
 
 @torch.no_grad()

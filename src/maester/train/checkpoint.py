@@ -13,7 +13,8 @@ A checkpoint is written under the temporary name and renamed when every file is 
 moment leaves the previous checkpoint as `latest`, whole and loadable.
 
 A job resumes from its own latest checkpoint with everything in it; a new run can take named parts of
-another checkpoint (`checkpoint.load_mode`, the table `LOAD_MODES`).
+another checkpoint (`checkpoint.load_mode`, the table `LOAD_MODES`), or the weights of a Hugging Face model
+directory (`checkpoint.init_from = "hf:PATH"`, `load_hf_weights`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ TRAINER_STATE = "trainer_state.json"
 
 
 @contextmanager
-def _single_process_ok():
+def single_process_ok():
     """DCP warns when no process group exists; one process is a supported layout, not a mistake."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -59,8 +60,9 @@ def _single_process_ok():
 
 
 def is_complete(path: Path) -> bool:
-    return STEP_DIR.match(path.name) is not None and (path / ".metadata").is_file() and (
-        path / TRAINER_STATE).is_file()
+    """A finished checkpoint: not a save (or deletion) in progress, which carries a `.tmp` name, and with its DCP
+    metadata and trainer state. A job names its checkpoints step-<N>; a converted one may have any name."""
+    return not path.name.endswith(".tmp") and (path / ".metadata").is_file() and (path / TRAINER_STATE).is_file()
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -120,7 +122,7 @@ class Checkpointer:
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
-        with _single_process_ok():
+        with single_process_ok():
             dcp.save(state, checkpoint_id=tmp)
         maybe_crash("during_save", step)
         (tmp / "rng").mkdir(exist_ok=True)
@@ -186,7 +188,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         hyperparameters = copy.deepcopy(optim_sd["param_groups"])
         state = {"model": model_sd, "optimizer": optim_sd}
-        with _single_process_ok():
+        with single_process_ok():
             dcp.load(state, checkpoint_id=path)
         state["optimizer"]["param_groups"] = hyperparameters
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -207,7 +209,7 @@ def read_trainer_state(path: Path) -> dict:
 
 def has_optimizer_state(path: Path) -> bool:
     """Whether checkpoint `path` holds optimizer state (a seed or converted checkpoint holds the model only)."""
-    with _single_process_ok():
+    with single_process_ok():
         metadata = dcp.FileSystemReader(path).read_metadata()
     return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
 
@@ -216,9 +218,45 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model from a checkpoint (fine-tuning, generation); every model key must be present."""
     model_sd = get_model_state_dict(model)
     state = {"model": model_sd}
-    with _single_process_ok():
+    with single_process_ok():
         dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+
+
+# Fields an `hf:` source may differ in from the run's model: the attention kernel, the init of weights that are
+# loaded anyway, and the context length the run trains at.
+_HF_FREE_FIELDS = ("attention", "init_std", "max_seq_len", "head_dim")
+
+
+def hf_architecture_differences(name: str, args, hf_name: str, hf_args) -> list[str]:
+    """How the run's model (architecture `name`, `args`) differs from an HF directory's; empty when its weights
+    fit. The head dimension is compared resolved; the vocabulary must be the same size."""
+    out = [] if name == hf_name else [f"architecture (run {name}, HF {hf_name})"]
+    for key in type(args).model_fields:
+        if key not in _HF_FREE_FIELDS and getattr(args, key) != getattr(hf_args, key):
+            out.append(f"{key} (run {getattr(args, key)!r}, HF {getattr(hf_args, key)!r})")
+    if args.resolved_head_dim != hf_args.resolved_head_dim:
+        out.append(f"head_dim (run {args.resolved_head_dim}, HF {hf_args.resolved_head_dim})")
+    return out
+
+
+def load_hf_weights(path: Path, model: nn.Module, name: str, where: str) -> None:
+    """Load the weights of the HF model directory `path` into `model` (architecture `name`), which may be sharded
+    (FSDP, TP): every rank reads the full tensors and keeps its shards. The directory's config.json must describe
+    `model.args` (`hf_architecture_differences`); `where` names the setting that asked, for the error."""
+    from maester.models.args import TransformerArgs
+    from maester.models.hf import args_from_hf, read_hf_config, read_hf_tensors, state_dict_from_hf
+
+    hf_name, fields = args_from_hf(read_hf_config(path), str(path / "config.json"))
+    hf_args = TransformerArgs(**fields)
+    differing = hf_architecture_differences(name, model.args, hf_name, hf_args)
+    if differing:
+        raise ValueError(f"{where}: the run's model differs from {path / 'config.json'} in {'; '.join(differing)}: "
+                         f"set model.hf_config = \"{path}\" to take the architecture from it")
+    state = state_dict_from_hf(hf_name, hf_args, read_hf_tensors(path), where=str(path))
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    state = {k: v.to(dtypes[k]) if k in dtypes else v for k, v in state.items()}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
 def _barrier() -> None:

@@ -17,13 +17,13 @@ import torch
 
 import torch.distributed as dist
 
-from maester.config import LOAD_MODES, Config
+from maester.config import HF_PREFIX, LOAD_MODES, Config
 from maester.data.loader import IGNORE_INDEX, build_loader
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_on_meta, count_parameters, materialize, resolve_args
 from maester.parallel.dims import ParallelDims, init_distributed
 from maester.parallel.parallelize import parallelize, uses_loss_parallel
-from maester.train.checkpoint import Checkpointer, read_trainer_state, resolve_checkpoint
+from maester.train.checkpoint import Checkpointer, load_hf_weights, read_trainer_state, resolve_checkpoint
 from maester.train.faults import maybe_crash
 from maester.train.loss import cross_entropy_sum
 from maester.train.metrics import MetricsWriter, device_peak_flops, model_flops_per_token, peak_memory_gib
@@ -165,7 +165,8 @@ class Trainer:
 
     def _resume_or_initialise(self) -> None:
         """Resume from the job's own latest checkpoint, with everything in it; else take the parts of
-        `checkpoint.init_from` that `checkpoint.load_mode` names; else start fresh at `checkpoint.step_offset`."""
+        `checkpoint.init_from` that `checkpoint.load_mode` names (of an `hf:` directory, the weights only); else start
+        fresh at `checkpoint.step_offset`."""
         c, total = self.cfg.checkpoint, self.cfg.training.steps
         latest = self.checkpointer.latest()
         if latest is not None and not read_trainer_state(latest).get("seed_checkpoint"):
@@ -181,6 +182,13 @@ class Trainer:
             self.checkpointer.load(latest, self.model, self.optimizer, "model_only")
             self._take_trainer_state({}, LOAD_MODES["model_only"])
             log.info("initialised model weights from the seed checkpoint %s", latest)
+        elif c.init_from and c.init_from.startswith(HF_PREFIX):
+            source = Path(c.init_from[len(HF_PREFIX):])
+            load_hf_weights(source, self.model, self.cfg.model.name, f"checkpoint.init_from = {c.init_from!r}")
+            self._take_trainer_state({}, LOAD_MODES["model_only"])
+            self.provenance = {"init_from": c.init_from, "load_mode": c.load_mode}
+            log.info("initialised the model weights from the Hugging Face directory %s; fresh: optimizer, schedule, "
+                     "data, step; first step %d", source, self.step + 1)
         elif c.init_from:
             source, mode = resolve_checkpoint(c.init_from), c.load_mode
             parts = LOAD_MODES[mode]

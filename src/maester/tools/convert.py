@@ -1,0 +1,390 @@
+"""`maester convert`: Hugging Face model directories <-> maester checkpoints.
+
+`from_hf`: an HF directory (config.json, safetensors, tokenizer files) becomes a maester checkpoint directory that
+everything reading checkpoints takes (`checkpoint.init_from`, `maester generate`, `to_hf`): the model state in DCP
+as `Checkpointer.save` writes it, config.json (a full maester config naming the architecture and the flavor it
+equals, or the closest flavor plus `overrides`), the tokenizer files under `tokenizer/`, and trainer_state.json
+(step 0, `converted_from`).
+
+`to_hf`: a maester checkpoint becomes an HF directory that `transformers` loads with `from_pretrained`: config.json,
+safetensors (sharded above a size, with model.safetensors.index.json), generation_config.json and tokenizer files.
+
+Both write OUT under a temporary sibling name and rename it when complete; an existing OUT is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from maester.config import Config
+from maester.data.chat import read_json_object
+from maester.data.tokenizers import ByteTokenizer, build_tokenizer
+from maester.models.args import TransformerArgs
+from maester.models.hf import (
+    args_from_hf,
+    check_convertible,
+    hf_config,
+    parse_size,
+    read_hf_config,
+    read_hf_tensors,
+    state_dict_from_hf,
+    state_dict_to_hf,
+    write_hf_tensors,
+)
+from maester.models.registry import ARCHITECTURES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Tokenizer files an HF directory may hold; tokenizer.json is the one maester reads, the others name its special
+# tokens and chat template.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_DIR = "tokenizer"
+# Ignored when picking a flavor: the kernel choice is not an architecture field.
+_NOT_ARCHITECTURE = ("attention",)
+
+
+# ---------------------------------------------------------------- HF -> maester
+
+
+def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", tokenizer: bool = True) -> Path:
+    """Convert the HF model directory `hf_dir` into the maester checkpoint directory `out`; returns `out`."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    _refuse_existing(out)
+    hf = read_hf_config(hf_dir)
+    name, fields = args_from_hf(hf, str(hf_dir / "config.json"))
+    args = TransformerArgs(**fields)
+    if tokenizer and not (hf_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"{hf_dir}: no tokenizer.json (maester reads the fast-tokenizer file): copy the model's tokenizer.json "
+            f"and tokenizer_config.json into {hf_dir}, or convert the weights alone with --no-tokenizer and put "
+            f"them into {out / TOKENIZER_DIR}/ later")
+    flavor, overrides = choose_flavor(name, args)
+    state = state_dict_from_hf(name, args, read_hf_tensors(hf_dir), where=str(hf_dir))
+    state = {k: v.to(_dtype(dtype)) for k, v in state.items()}
+    final_tokenizer = out.resolve() / TOKENIZER_DIR
+    tree: dict[str, Any] = {"job": {"name": _job_name(out)},
+                            "model": {"name": name, "flavor": flavor, "overrides": overrides}}
+    with _atomic_directory(out) as tmp:
+        if tokenizer:
+            (tmp / TOKENIZER_DIR).mkdir()
+            for file in TOKENIZER_FILES:
+                if (hf_dir / file).is_file():
+                    shutil.copyfile(hf_dir / file, tmp / TOKENIZER_DIR / file)
+            settings = hf_tokenizer_settings(tmp / TOKENIZER_DIR, hf)
+            _check_tokenizer_fits(Config.model_validate({**tree, **settings}))
+            settings["tokenizer"]["path"] = str(final_tokenizer)
+            tree.update(settings)
+        else:  # named, not guessed: using it fails until the files are there
+            tree["tokenizer"] = {"kind": "hf", "path": str(final_tokenizer)}
+        cfg = Config.model_validate(tree)
+        if _comparable(cfg.model.architecture()) != _comparable(args):
+            raise AssertionError(f"flavor {flavor!r} with overrides {overrides} does not rebuild {hf_dir}'s model")
+        _save_model_state(tmp, name, args, state)
+        _write_json(tmp / "config.json", cfg.model_dump(mode="json"))
+        _write_json(tmp / "trainer_state.json", {"step": 0, "converted_from": str(hf_dir.resolve()),
+                                                 "dtype": dtype})
+    return out
+
+
+def choose_flavor(name: str, args: TransformerArgs) -> tuple[str, dict[str, Any]]:
+    """The flavor of architecture `name` that `args` equals, with no overrides; else the flavor with the fewest
+    differing fields and those fields as overrides (the first such flavor in the registry's order)."""
+    ours = _comparable(args)
+    best: tuple[str, dict[str, Any]] | None = None
+    for flavor, ref in ARCHITECTURES[name].flavors.items():
+        theirs = _comparable(ref)
+        differing = {k: v for k, v in ours.items() if theirs[k] != v}
+        if best is None or len(differing) < len(best[1]):
+            best = (flavor, differing)
+    assert best is not None
+    return best
+
+
+def _comparable(args) -> dict[str, Any]:
+    """Architecture fields as plain values, head_dim resolved (None and dim // n_heads are the same model)."""
+    fields = args.model_dump()
+    for key in _NOT_ARCHITECTURE:
+        fields.pop(key)
+    fields["head_dim"] = args.resolved_head_dim
+    return fields
+
+
+def hf_tokenizer_settings(tokenizer_dir: Path, hf: dict) -> dict[str, Any]:
+    """The `tokenizer` and `data` sections that make maester tokenize as the HF tokenizer files in `tokenizer_dir`
+    do: kind `hf`; BOS/EOS/pad from tokenizer_config.json, else from the ids in the model's config.json `hf`;
+    `data.add_bos` when the HF tokenizer puts BOS before a text itself; and `data.sft.template = "jinja"` when it
+    ships a chat template."""
+    from tokenizers import Tokenizer
+
+    file = tokenizer_dir / "tokenizer.json"
+    try:
+        raw = Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust parser's message names what is wrong
+        raise ValueError(f"{file}: not a tokenizer.json the tokenizers library reads: {e}") from None
+    config_file = tokenizer_dir / "tokenizer_config.json"
+    config = read_json_object(config_file) if config_file.is_file() else {}
+    model_config = {**hf.get("text_config", {}), **hf}
+    tokenizer: dict[str, Any] = {"kind": "hf", "path": str(tokenizer_dir)}
+    tokens: dict[str, str | None] = {}
+    for key in ("bos", "eos", "pad"):
+        tokens[key] = _token_text(config.get(f"{key}_token"))
+        tid = model_config.get(f"{key}_token_id")
+        tid = tid[0] if isinstance(tid, list) and tid else tid
+        if tokens[key] is None and isinstance(tid, int):
+            tokens[key] = raw.id_to_token(tid)
+            if tokens[key] is None:
+                raise ValueError(f"config.json: {key}_token_id {tid} is not in the vocabulary of {file}")
+            tokenizer[f"{key}_token"] = tokens[key]
+    data: dict[str, Any] = {"add_bos": _adds_bos(raw, config, tokens["bos"])}
+    if "chat_template" in config or (tokenizer_dir / "chat_template.jinja").is_file():
+        data["sft"] = {"template": "jinja"}
+    return {"tokenizer": tokenizer, "data": data}
+
+
+def _adds_bos(raw, config: dict, bos: str | None) -> bool:
+    """Whether the HF tokenizer starts every text with BOS: tokenizer_config.json's `add_bos_token`, else what its
+    post-processor does to a text."""
+    if isinstance(config.get("add_bos_token"), bool):
+        return config["add_bos_token"]
+    bos_id = raw.token_to_id(bos) if bos else None
+    return bos_id is not None and raw.encode("a").ids[:1] == [bos_id]
+
+
+def _check_tokenizer_fits(cfg: Config) -> None:
+    """The tokenizer builds from the copied files, and its vocabulary fits the model's."""
+    from maester.models.build import resolve_args
+
+    resolve_args(cfg.model, build_tokenizer(cfg.tokenizer).vocab_size)
+
+
+def _save_model_state(directory: Path, name: str, args: TransformerArgs, state: dict[str, torch.Tensor]) -> None:
+    """The model state in DCP under "model.*" keys, exactly as `Checkpointer.save` writes a model: the tensors are
+    put into a maester model of `args` (every parameter filled, none left over) and its state dict is saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from maester.train.checkpoint import single_process_ok
+
+    with torch.device("meta"):
+        model = ARCHITECTURES[name].model_class()(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    with single_process_ok():
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory)
+
+
+# ---------------------------------------------------------------- maester -> HF
+
+
+def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
+          tokenizer: bool = True, upload: str | None = None) -> Path:
+    """Convert the checkpoint of `target` (a checkpoint or job directory) into the HF model directory `out`, then
+    upload it to the Hub repository `upload` if given; returns `out`."""
+    from maester.models.build import resolve_args
+    from maester.tools.generate import load_checkpoint_model
+    from maester.train.checkpoint import resolve_checkpoint
+
+    out = Path(out)
+    _refuse_existing(out)
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        raise ValueError(f"--max-shard-size: {e}") from None
+    if upload is not None:
+        _hub_api(upload)  # fail before converting when the upload cannot happen
+    path = resolve_checkpoint(target)
+    cfg = Config.from_json_file(path / "config.json")
+    tok = build_tokenizer(cfg.tokenizer)  # its ids go into config.json; it sizes a flavor's vocabulary
+    if tokenizer and cfg.tokenizer.kind not in ("hf", "byte"):
+        raise ValueError(f"{path / 'config.json'}: tokenizer.kind = {cfg.tokenizer.kind!r} cannot be written as HF "
+                         f"tokenizer files (hf and byte can): pass --no-tokenizer and add the model's tokenizer.json "
+                         f"to {out} yourself")
+    name = cfg.model.name
+    check_convertible(name, resolve_args(cfg.model, tok.vocab_size))
+    model = load_checkpoint_model(path, cfg, tok, torch.device("cpu"))
+    args = model.args
+    tensors = {k: v.to(_dtype(dtype)) for k, v in state_dict_to_hf(name, args, model.state_dict()).items()}
+    del model
+    with _atomic_directory(out) as tmp:
+        write_hf_tensors(tmp, tensors, max_bytes)
+        _write_json(tmp / "config.json", hf_config(name, args, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                                   pad_id=tok.pad_id, dtype=dtype))
+        _write_json(tmp / "generation_config.json", generation_config(cfg, tok))
+        if tokenizer:
+            _write_tokenizer_files(cfg, tmp, args.max_seq_len)
+    if upload is not None:
+        upload_folder(out, upload)
+    return out
+
+
+def generation_config(cfg: Config, tokenizer) -> dict[str, Any]:
+    """BOS, EOS and pad ids for HF's `generate`; EOS also lists the chat template's end of turn when the model was
+    fine-tuned on conversations (`data.mode = "sft"`) or the config names the tokenizer's own template (`jinja`)."""
+    eos: list[int] = [tokenizer.eos_id]
+    if cfg.data.mode == "sft" or cfg.data.sft.template == "jinja":
+        from maester.data.chat import ChatEncoder
+        from maester.tools.generate import end_of_turn_ids
+
+        eos += sorted(end_of_turn_ids(ChatEncoder(tokenizer, cfg.data.sft, cfg.tokenizer.path)) - {tokenizer.eos_id})
+    out: dict[str, Any] = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+                           "pad_token_id": tokenizer.pad_id}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _write_tokenizer_files(cfg: Config, directory: Path, max_seq_len: int) -> None:
+    if cfg.tokenizer.kind == "byte":
+        write_byte_tokenizer(directory, max_seq_len)
+        return
+    source = Path(cfg.tokenizer.path)
+    source_dir = source if source.is_dir() else source.parent
+    shutil.copyfile(source_dir / "tokenizer.json" if source.is_dir() else source, directory / "tokenizer.json")
+    for file in TOKENIZER_FILES[1:]:
+        if (source_dir / file).is_file():
+            shutil.copyfile(source_dir / file, directory / file)
+    named = {f"{k}_token": getattr(cfg.tokenizer, f"{k}_token") for k in ("bos", "eos", "pad")
+             if getattr(cfg.tokenizer, f"{k}_token") is not None}
+    if named:  # the config's choice, where it overrides tokenizer_config.json's
+        file = directory / "tokenizer_config.json"
+        _write_json(file, {**(read_json_object(file) if file.is_file() else {}), **named})
+
+
+def write_byte_tokenizer(directory: str | Path, model_max_length: int | None = None) -> None:
+    """tokenizer.json and tokenizer_config.json of maester's byte tokenizer for HF: a byte-level BPE without merges
+    whose ids are the byte values 0-255, then the special tokens at maester's ids (256-268). Text encodes to its
+    UTF-8 bytes; special-token text maps to the special token's id, as HF tokenizers (and maester's chat encoding)
+    do."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    directory = Path(directory)
+    byte_chars = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ByteTokenizer.SPECIAL_TOKENS])
+    byte = ByteTokenizer()
+    for token in ByteTokenizer.SPECIAL_TOKENS:
+        if tok.token_to_id(token) != byte.token_to_id(token):
+            raise AssertionError(f"{token} got id {tok.token_to_id(token)}, maester's is {byte.token_to_id(token)}")
+    tok.save(str(directory / "tokenizer.json"))
+    specials = ByteTokenizer.SPECIAL_TOKENS
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials[byte.bos_id - 256],
+        "eos_token": specials[byte.eos_id - 256], "pad_token": specials[byte.pad_id - 256],
+        "additional_special_tokens": list(specials[3:]), "add_bos_token": False, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    _write_json(directory / "tokenizer_config.json", config)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (the ByteLevel pre-tokenizer's mapping)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+# ---------------------------------------------------------------- the Hub
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _hub_api(repo_id: str):
+    if not _REPO_ID.match(repo_id):
+        raise ValueError(f"--upload {repo_id!r}: expected a Hub repository as ORG/NAME")
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ValueError("--upload needs huggingface_hub, which is not installed: install maester's `hub` extra "
+                         "(pip install 'maester[hub]')") from None
+    return huggingface_hub.HfApi()
+
+
+def upload_folder(directory: Path, repo_id: str) -> None:
+    """Create the Hub model repository `repo_id` if needed and upload `directory` into it (credentials as
+    huggingface_hub finds them: HF_TOKEN or `hf auth login`)."""
+    api = _hub_api(repo_id)
+    try:
+        api.create_repo(repo_id, repo_type="model", exist_ok=True)
+        api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model")
+    except OSError as e:  # huggingface_hub's HTTP errors are OSErrors
+        raise ValueError(f"--upload {repo_id}: {e} ({directory} is complete; upload it again with "
+                         f"`hf upload {repo_id} {directory}`)") from None
+
+
+# ---------------------------------------------------------------- files
+
+
+def is_hf_model_dir(path: str | Path) -> bool:
+    """An HF model directory: config.json and safetensors weights (one file or an index of shards)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(
+        (path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists() or out.is_symlink():
+        raise ValueError(f"{out} already exists: give a new output directory (nothing is overwritten)")
+
+
+@contextmanager
+def _atomic_directory(out: Path) -> Iterator[Path]:
+    """A temporary sibling of `out` to fill; renamed to `out` on a clean exit (after every file is synced),
+    removed on an error."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                with open(file, "rb+") as f:
+                    os.fsync(f.fileno())
+        _refuse_existing(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken `{"content": ...}`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _job_name(out: Path) -> str:
+    """The output directory's name as a job name (characters a job name may not hold become '-')."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", out.resolve().name).lstrip(".")
+    return name or "converted"

@@ -1,0 +1,114 @@
+"""`checkpoint.init_from = "hf:PATH"`: a run starts from a Hugging Face directory's weights, in one process and
+under FSDP, and its first loss is the loss `transformers` computes on the same batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from maester.config import ConfigError, load_config
+from maester.data.loader import IGNORE_INDEX
+from maester.jobs.job_dir import write_job_dir
+from maester.models.hf import read_hf_tensors, state_dict_from_hf
+from maester.tools.convert import from_hf
+from maester.train.checkpoint import read_trainer_state, resolve_checkpoint
+from maester.train.metrics import read_metrics
+from maester.train.trainer import Trainer
+from tests.helpers import tiny_overrides, torchrun, write_corpus
+from tests.models.test_hf_parity import random_hf_model, tiny_args
+
+transformers = pytest.importorskip("transformers")
+
+CASE = "gemma3"  # tied embeddings, sandwich norms, sliding windows: a mistake in any of them changes the loss
+RUN = dict(training__steps=1, schedule__warmup_steps=0, checkpoint__interval=0, optimizer__lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A random transformers model saved as an HF directory, a corpus, and the overrides of a run of its
+    architecture (`model.hf_config`) that starts from its weights."""
+    root = tmp_path_factory.mktemp("init_from_hf")
+    name, args = tiny_args(CASE)
+    hf = random_hf_model(name, args, seed=5)
+    hf.save_pretrained(root / "hf")
+    corpus = write_corpus(root / "data" / "corpus.parquet")
+    overrides = dict(RUN, model__flavor="demo", model__hf_config=str(root / "hf"),
+                     checkpoint__init_from=f"hf:{root / 'hf'}")
+    return root, hf, corpus, overrides
+
+
+def hf_loss(hf, batches) -> float:
+    """transformers' loss of one step: the token losses of all micro-batches over their label tokens."""
+    total, labels = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            logits = hf(b.input_ids).logits
+            total += F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), ignore_index=IGNORE_INDEX,
+                                     reduction="sum").item()
+            labels += int((b.labels != IGNORE_INDEX).sum())
+    return total / labels
+
+
+def test_one_process_run_starts_from_the_hf_weights(source):
+    root, hf, corpus, overrides = source
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "one", **overrides), environ={})
+    trainer = Trainer(cfg, cfg.job_dir)
+    name, args = tiny_args(CASE)
+    expected = state_dict_from_hf(name, args, read_hf_tensors(root / "hf"))
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in expected.items())
+    state = trainer.loader.state_dict()
+    first = trainer.loader.next_step()
+    trainer.loader.load_state_dict(state)
+    result = trainer.train()
+    assert read_metrics(cfg.job_dir / "metrics.jsonl")[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
+    assert {k: read_trainer_state(result.checkpoint)[k] for k in ("init_from", "load_mode")} == {
+        "init_from": f"hf:{root / 'hf'}", "load_mode": "model_only"}
+
+    # the same weights through a checkpoint that `maester convert from-hf` wrote
+    from_hf(root / "hf", root / "converted", tokenizer=False)
+    via = dict(overrides, checkpoint__init_from=str(root / "converted"))
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "via", **via), environ={})
+    assert all(torch.equal(Trainer(cfg, cfg.job_dir).model.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_fsdp_run_starts_from_the_hf_weights(source):
+    root, hf, corpus, overrides = source
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "fsdp", **overrides), environ={})
+    write_job_dir(cfg)
+    run = torchrun(2, ["train", str(cfg.job_dir)], root)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "dp_shard 2" in run.stderr
+    one = load_config(None, tiny_overrides(corpus, root / "jobs", "peek", **{**overrides,
+                                                                             "checkpoint__init_from": "null"}),
+                      environ={})
+    first = Trainer(one, one.job_dir).loader.next_step()  # the global batch is the same on any number of ranks
+    assert read_metrics(cfg.job_dir / "metrics.jsonl")[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
+    state = json.loads((resolve_checkpoint(cfg.job_dir) / "trainer_state.json").read_text())
+    assert state["init_from"] == f"hf:{root / 'hf'}"
+
+
+def test_a_model_that_is_not_the_hf_one_is_refused(source):
+    root, _, corpus, overrides = source
+    hf_dir = root / "hf"
+    other = dict(RUN, checkpoint__init_from=f"hf:{hf_dir}")  # the tiny llama, not the HF gemma3
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "llama", **other), environ={})
+    with pytest.raises(ValueError, match=r"architecture \(run llama, HF gemma3\).*model.hf_config = \"" +
+                       str(hf_dir)):
+        Trainer(cfg, cfg.job_dir)
+    # the same architecture with one field changed: that field is named, and only it
+    fewer = dict(other, model__name="gemma3", model__overrides='{"n_layers": 4}')
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "fewer", **fewer), environ={})
+    with pytest.raises(ValueError, match=r"differs from .*config.json in n_layers \(run 4, HF 6\): set"):
+        Trainer(cfg, cfg.job_dir)
+
+
+@pytest.mark.parametrize("mode", ["model_data", "continue", "transfer"])
+def test_load_modes_that_take_more_than_weights_are_refused(mode):
+    with pytest.raises(ConfigError, match=f"load_mode = '{mode}' takes the .* is a Hugging Face directory, which "
+                                          "holds only weights: use load_mode = 'model_only'"):
+        load_config(None, ["--checkpoint.init_from=hf:some/dir", f"--checkpoint.load_mode={mode}"], environ={})
+    with pytest.raises(ConfigError, match="give the Hugging Face model directory"):
+        load_config(None, ["--checkpoint.init_from=hf:"], environ={})
