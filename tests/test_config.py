@@ -490,3 +490,10 @@ def test_from_json_file_is_strict(tmp_path):
         Config.from_json_file(path)
     with pytest.raises(ConfigError, match="does not exist"):
         Config.from_json_file(tmp_path / "nope" / "config.json")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").rglob("*.toml")),
+                         ids=lambda p: p.relative_to(Path(__file__).parents[1] / "configs").as_posix())
+def test_every_shipped_config_resolves(path):
+    cfg = load_config(path, environ={})
+    assert Config.model_validate_json(cfg.to_json()) == cfg  # and round-trips
