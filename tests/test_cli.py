@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def test_config_show_bad_value(tmp_path):
 
 
 def test_unknown_override_exits_2_with_suggestion(tmp_path):
-    result = maester("submit", DEMO, "--training.stepz=3", cwd=tmp_path)
+    result = maester("submit", "--no-submit", DEMO, "--training.stepz=3", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stdout == ""
     assert "training.stepz" in result.stderr and "did you mean 'steps'" in result.stderr
@@ -132,7 +133,7 @@ def test_environment_reaches_the_command(tmp_path):
 
 def test_submit_creates_the_job_directory(tmp_path):
     dump = tmp_path / "dump"
-    result = maester("submit", DEMO, "--name", "myjob", "--job.dump_dir", dump, cwd=tmp_path)
+    result = maester("submit", "--no-submit", DEMO, "--name", "myjob", "--job.dump_dir", dump, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     job = dump / "myjob"
     assert (job / "config.json").is_file()
@@ -151,8 +152,8 @@ def test_submit_creates_the_job_directory(tmp_path):
     script = (job / "slurm.sh").read_text()
     assert os.access(job / "slurm.sh", os.X_OK)
     assert "--job-name=myjob" in script
-    assert f'-m maester train "{job.resolve()}"' in script
-    assert "${GPUS_PER_NODE:-1}" in script  # the template's `$$` escape
+    assert f"JOB_DIR={shlex.quote(str(job.resolve()))}\n" in script
+    assert '-m maester train "$JOB_DIR"' in script
 
 
 def test_job_directory_can_be_shown(tmp_path):
@@ -169,7 +170,7 @@ def test_job_directory_can_be_shown(tmp_path):
 
 def test_submit_dry_run_writes_nothing(tmp_path):
     dump = tmp_path / "dump"
-    result = maester("submit", DEMO, "--name", "myjob", "--job.dump_dir", dump, "--dry-run", cwd=tmp_path)
+    result = maester("submit", "--no-submit", DEMO, "--name", "myjob", "--job.dump_dir", dump, "--dry-run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert not dump.exists()
     assert list(tmp_path.iterdir()) == []
@@ -179,13 +180,13 @@ def test_submit_dry_run_writes_nothing(tmp_path):
 
 
 def test_submit_default_dump_dir_is_relative_to_cwd(tmp_path):
-    result = maester("submit", DEMO, cwd=tmp_path)
+    result = maester("submit", "--no-submit", DEMO, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "jobs" / "demo" / "config.json").is_file()
 
 
 def test_submit_rejects_bad_name(tmp_path):
-    result = maester("submit", DEMO, "--name", "a/b", cwd=tmp_path)
+    result = maester("submit", "--no-submit", DEMO, "--name", "a/b", cwd=tmp_path)
     assert result.returncode == 2
     assert "job.name 'a/b'" in result.stderr
     assert list(tmp_path.iterdir()) == []

@@ -14,17 +14,42 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train from a config file or a job directory (resumes automatically)",
-                       epilog=OVERRIDES_HELP)
+                       epilog=OVERRIDES_HELP + ". Exit codes: 0 trained to training.steps (or already had: the job's "
+                              "COMPLETED marker covers them); 2 a config or input error; 3 stopped on SIGTERM, "
+                              "SIGUSR1 or <job>/stop-requested after saving a checkpoint (<job>/requeue-requested "
+                              "written): run it again to resume.")
     p.add_argument("target", help="a config file (TOML/YAML/JSON) or a job directory jobs/<name>")
 
     p = sub.add_parser("seed-checkpoint", epilog=OVERRIDES_HELP,
                        help="initialise the model on one process and save it as the job's step-0 checkpoint")
     p.add_argument("target", help="a config file or a job directory")
 
-    p = sub.add_parser("submit", help="create the job directory jobs/<name> for a config", epilog=OVERRIDES_HELP)
+    p = sub.add_parser("submit", help="create the job directory jobs/<name> for a config and sbatch its slurm.sh",
+                       epilog=OVERRIDES_HELP)
     p.add_argument("config", help="a config file (TOML/YAML/JSON)")
     p.add_argument("--name", help="job name (default: job.name from the config)")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and paths, write nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the script, write nothing")
+    p.add_argument("--no-submit", action="store_true", help="write the job directory, do not call sbatch")
+    p.add_argument("--chain", type=int, default=1, metavar="K",
+                   help="submit K jobs, each starting when the previous ends (afterany): runs longer than the walltime")
+    p.add_argument("--after", metavar="JOBID", help="the first job waits for this SLURM job to end")
+
+    p = sub.add_parser("sweep", help="a grid of jobs: submit, status, cancel, retry, report")
+    ssub = p.add_subparsers(dest="sweep_command", required=True, metavar="ACTION")
+    q = ssub.add_parser("submit", help="one job directory per point under <dump_dir>/<sweep name>/, each submitted",
+                        epilog=OVERRIDES_HELP)
+    q.add_argument("sweep", help="a sweep file (TOML/YAML/JSON): name, base, mode, fixed, parameters")
+    q.add_argument("--no-submit", action="store_true", help="write the job directories, do not call sbatch")
+    for action, text in (("status", "a table: job, SLURM state, last step, last loss"),
+                         ("cancel", "scancel the points still queued or running"),
+                         ("retry", "submit again the points that failed or were cancelled"),
+                         ("report", "write report.csv and report.png in the sweep directory")):
+        q = ssub.add_parser(action, help=text)
+        q.add_argument("dir", help="the sweep directory (<dump_dir>/<sweep name>)")
+
+    p = sub.add_parser("launch", help="run a job directory here under torchrun, logging as a SLURM job would")
+    p.add_argument("job", help="a job directory")
+    p.add_argument("--nproc", type=int, default=1, help="processes (default 1)")
 
     p = sub.add_parser("config", help="inspect configs")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -77,6 +102,18 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="write the loss curve of a job as PNG")
     p.add_argument("job", help="a job directory")
     p.add_argument("--out", help="output path (default: <job>/loss.png)")
+
+    p = sub.add_parser("preflight", epilog=OVERRIDES_HELP,
+                       help="check all-reduce, all-gather and reduce-scatter results and bandwidth on the job's "
+                            "processes (run it under torchrun or srun as the job runs); writes <job>/preflight.json")
+    p.add_argument("target", help="a job directory or a config file")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="stop at the first wrong result and exit with status 1 (a timeout always does); the "
+                        "config's preflight.fail_fast applies to the check before training")
+    p.add_argument("--sizes", nargs="+", metavar="SIZE",
+                   help="buffer sizes in bytes, e.g. 4096 64K 32MiB 1G (default: preflight.sizes)")
+    p.add_argument("--dtypes", nargs="+", metavar="DTYPE", choices=("float32", "bfloat16", "float16"),
+                   help="float32, bfloat16, float16 (default: preflight.dtypes)")
 
     _data_parser(sub)
     return parser
@@ -188,7 +225,7 @@ def _record_args(p) -> None:
                    help="skip invalid records (counted by reason in the summary) instead of stopping at the first")
 
 
-TAKES_OVERRIDES = {"train", "seed-checkpoint", "submit", "config"}
+TAKES_OVERRIDES = {"train", "seed-checkpoint", "submit", "config", "sweep", "preflight"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,15 +245,25 @@ def main(argv: list[str] | None = None) -> None:
 
 def _train(args) -> None:
     from maester.jobs.job_dir import config_for_target, write_job_dir
-    from maester.train.trainer import Trainer
+    from maester.train.preemption import COMPLETED_FILE, REQUEUE_EXIT_CODE, REQUEUE_FILE, completed_marker
+
+    rank = int(os.environ.get("RANK", "0"))
+    # A job whose COMPLETED marker covers training.steps (a later link of a chain) has nothing to do: it exits
+    # before torch is imported and leaves the job directory as it is.
+    cfg, job_dir = config_for_target(args.target, args.overrides)
+    done = completed_marker(job_dir, cfg.training.steps)
+    if done is not None:
+        if rank == 0:
+            print(f"{job_dir / COMPLETED_FILE}: training completed at step {done['step']} (training.steps = "
+                  f"{cfg.training.steps}): nothing to do", file=sys.stderr)
+        return
 
     import torch.distributed as dist
 
-    from maester.train.trainer import setup_logging
+    from maester.train.trainer import Trainer, setup_logging
 
-    rank = int(os.environ.get("RANK", "0"))
-    setup_logging(None, rank)  # so that config updates are reported
-    cfg, job_dir = config_for_target(args.target, args.overrides)
+    setup_logging(None, rank)
+    cfg, job_dir = config_for_target(args.target, args.overrides)  # again, now that config updates are reported
     if rank == 0:
         write_job_dir(cfg, job_dir)
     try:
@@ -224,6 +271,11 @@ def _train(args) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if result.stop_reason is not None:
+        if rank == 0:
+            print(f"stopped on request ({result.stop_reason}) at step {result.step}; checkpoint {result.checkpoint}; "
+                  f"wrote {job_dir / REQUEUE_FILE}; exiting with code {REQUEUE_EXIT_CODE} for a requeue")
+        sys.exit(REQUEUE_EXIT_CODE)
     if rank == 0:
         print(f"trained to step {result.step}; job directory {job_dir}"
               + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""))
@@ -241,15 +293,60 @@ def _seed_checkpoint(args) -> None:
 def _submit(args) -> None:
     from maester.config import load_config
     from maester.jobs.job_dir import write_job_dir
+    from maester.jobs.slurm import SubmitError, check_inputs, render_slurm_script, submit_job
 
     overrides = list(args.overrides) + ([f"--job.name={args.name}"] if args.name else [])
     cfg = load_config(args.config, overrides)
     if args.dry_run:
         print(cfg.to_json(), end="")
         print(f"# dry run: would write {cfg.job_dir}/config.json, slurm.sh, logs/, checkpoints/", file=sys.stderr)
+        print(render_slurm_script(cfg, cfg.job_dir), end="", file=sys.stderr)
         return
+    render_slurm_script(cfg, cfg.job_dir)  # template errors before anything is written
+    problems = check_inputs(cfg)
+    if problems:
+        raise SubmitError("the job would fail on the cluster:\n  " + "\n  ".join(problems))
     job_dir = write_job_dir(cfg)
-    print(f"job directory {job_dir}: run with `maester train {job_dir}` or `sbatch {job_dir}/slurm.sh`")
+    if args.no_submit:
+        print(f"job directory {job_dir}: run with `maester train {job_dir}`, `maester launch {job_dir}` or "
+              f"`sbatch {job_dir}/slurm.sh`")
+        return
+    ids = submit_job(job_dir, chain=args.chain, after=args.after)
+    print(f"job directory {job_dir}: submitted SLURM job{'s' if len(ids) > 1 else ''} {' -> '.join(ids)}")
+
+
+def _sweep(args) -> None:
+    from pathlib import Path
+
+    from maester.jobs import sweep
+
+    if args.sweep_command == "submit":
+        root = sweep.submit_sweep(Path(args.sweep), list(args.overrides), no_submit=args.no_submit)
+        points = sweep.load_sweep(root)["points"]
+        print(f"sweep {root}: {len(points)} points {'written' if args.no_submit else 'submitted'}")
+        return
+    if args.overrides:
+        raise ValueError(f"maester sweep {args.sweep_command} takes no overrides: {' '.join(args.overrides)}")
+    root = Path(args.dir)
+    if args.sweep_command == "status":
+        print(sweep.format_status(sweep.status(root)))
+    elif args.sweep_command == "cancel":
+        ids = sweep.cancel(root)
+        print(f"cancelled {' '.join(ids)}" if ids else "nothing queued or running")
+    elif args.sweep_command == "retry":
+        names = sweep.retry(root)
+        print(f"resubmitted {' '.join(names)}" if names else "no failed or cancelled points")
+    else:
+        csv_path, png_path = sweep.report(root)
+        print(f"{csv_path}\n{png_path}")
+
+
+def _launch(args) -> None:
+    from pathlib import Path
+
+    from maester.jobs.launch import launch_local
+
+    sys.exit(launch_local(Path(args.job), args.nproc))
 
 
 def _config(args) -> None:
@@ -313,6 +410,36 @@ def _plot(args) -> None:
     print(plot_loss(Path(args.job), Path(args.out) if args.out else None))
 
 
+def _preflight(args) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from maester.jobs.job_dir import config_for_target
+    from maester.jobs.preflight import PreflightFailed, parse_size, run_preflight
+    from maester.parallel.dims import init_distributed
+
+    overrides = list(args.overrides)
+    if args.sizes:
+        overrides.append(f"--preflight.sizes={json.dumps([parse_size(s) for s in args.sizes])}")
+    if args.dtypes:
+        overrides.append(f"--preflight.dtypes={json.dumps(args.dtypes)}")
+    cfg, job_dir = config_for_target(args.target, overrides)
+    rank, _, device = init_distributed(cfg.training.device)
+    try:
+        report = run_preflight(cfg.preflight, job_dir, device, fail_fast=args.fail_fast)
+    except PreflightFailed as e:
+        if rank == 0:
+            print(f"maester preflight: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if not report.ok and rank == 0:
+        print("maester preflight: some collectives gave WRONG results (see the table); without --fail-fast the "
+              "status is 0", file=sys.stderr)
+
+
 def _data_tokenizer(args):
     from maester.tools.data_tokenize import parse_pairs, parse_special_tokens, tokenizer_config
 
@@ -362,4 +489,5 @@ def _data(args) -> None:
 
 
 COMMANDS = {"train": _train, "seed-checkpoint": _seed_checkpoint, "submit": _submit, "config": _config,
-            "generate": _generate, "convert": _convert, "plot": _plot, "data": _data}
+            "preflight": _preflight,
+            "generate": _generate, "launch": _launch, "sweep": _sweep, "convert": _convert, "plot": _plot, "data": _data}

@@ -370,6 +370,106 @@ class LoggingConfig(Section):
     logged as `val_loss`; 0: never."""
 
 
+class ContainerConfig(Section):
+    runtime: Literal["none", "singularity", "apptainer"] = "none"
+    """Run each node's launcher inside a container image (`singularity exec` / `apptainer exec`), or directly."""
+    image: str | None = None
+    """The image (`.sif`) for a container runtime."""
+    binds: list[str] = Field(default_factory=list)
+    """`--bind` mounts, e.g. `["/scratch", "/project/data:/data"]`; the working and job directories are added."""
+    options: list[str] = Field(default_factory=list)
+    """More `exec` options, e.g. `["--rocm"]` (AMD) or `["--nv"]` (NVIDIA)."""
+
+    @model_validator(mode="after")
+    def _check_image(self) -> "ContainerConfig":
+        if self.runtime != "none" and not self.image:
+            raise ValueError(f"slurm.container.image is required when slurm.container.runtime = {self.runtime!r}")
+        return self
+
+
+class SlurmConfig(Section):
+    """How `maester submit` renders `jobs/<name>/slurm.sh` and submits it."""
+
+    template: str = "default"
+    """`default`, `lumi` (LUMI-G: 8 GCDs per node, ROCm, Singularity), or the path of your own Jinja2 template."""
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs (GCDs) per node requested with `--gpus-per-node`; 0: none (a CPU job)."""
+    nproc_per_node: int | None = Field(None, ge=1)
+    """Training processes per node; None: `gpus_per_node`, or 1 without GPUs."""
+    cpus_per_task: int | None = Field(None, ge=1)
+    """CPUs of each node's task (the torchrun launcher and all its workers); None: the cluster's default."""
+    mem: str | None = None
+    """`--mem` per node, e.g. `"480G"`; None: the cluster's default."""
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "01:00:00"
+    """Walltime (`--time`); a longer run needs `--chain K` or requeues itself when warned of the limit."""
+    exclusive: bool = False
+    signal_seconds: int = Field(300, ge=0)
+    """Ask SLURM for a warning this many seconds before the time limit (`--signal=B:USR1@N`): the trainer then
+    checkpoints and the job requeues itself. 0: no warning."""
+    requeue: bool = True
+    """Requeue the job (`scontrol requeue`) after a checkpoint forced by the warning or a preemption."""
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """More `#SBATCH` lines, without the prefix, e.g. `["--mail-type=END", "--constraint=a100"]`."""
+    modules: list[str] = Field(default_factory=list)
+    """`module load` these before the run."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment exported in the script, e.g. `{NCCL_DEBUG = "WARN"}`."""
+    pre_run: list[str] = Field(default_factory=list)
+    """Shell commands run before training (after modules and env), e.g. activating an environment."""
+    python: str | None = None
+    """The Python that runs maester on the nodes; None: the one that runs `maester submit` (a shared
+    filesystem), or `python3` inside a container."""
+    container: ContainerConfig = Field(default_factory=ContainerConfig)
+
+    @model_validator(mode="after")
+    def _check_lines(self) -> "SlurmConfig":
+        for line in self.extra_sbatch:
+            if line.startswith("#") or "\n" in line or not line.startswith("-"):
+                raise ValueError(f"slurm.extra_sbatch: {line!r} must be one sbatch option such as '--qos=high' "
+                                 f"(without '#SBATCH')")
+        if not all(part.isdigit() for part in self.time.replace("-", ":").split(":")):
+            raise ValueError(f"slurm.time {self.time!r} is not a SLURM time such as '02:00:00' or '1-12:00:00'")
+        for key in self.env:
+            if not key.replace("_", "a").isalnum() or key[0].isdigit():
+                raise ValueError(f"slurm.env: {key!r} is not an environment variable name")
+        return self
+
+
+class PreflightConfig(Section):
+    """Communication checks (`maester preflight`, and before training when `enabled`): all-reduce, all-gather and
+    reduce-scatter on the job's process group, each result checked exactly against its analytic value and timed."""
+
+    enabled: bool = False
+    """Run the checks before training, after the process group is up and before the model is built."""
+    fail_fast: bool = True
+    """Before training: stop the job at the first wrong result instead of reporting it and training anyway
+    (`maester preflight` takes `--fail-fast` instead). A check that hangs past `timeout_s` always stops the job."""
+    timeout_s: float = Field(120.0, gt=0)
+    """The longest one check (one collective, dtype and size: warmup, checks and timed iterations) may take."""
+    sizes: list[int] = Field(default_factory=lambda: [1024, 1 << 20, 32 << 20, 256 << 20], min_length=1)
+    """Buffer sizes in bytes, as nccl-tests counts them: the all-reduce buffer, the all-gather output, the
+    reduce-scatter input (`maester preflight --sizes` also takes 64K, 32MiB, 1G)."""
+    dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(
+        default_factory=lambda: ["float32", "bfloat16", "float16"], min_length=1)
+    iterations: int = Field(20, ge=1)
+    """Timed calls of each collective per dtype and size, after a few untimed warmup calls."""
+
+    @model_validator(mode="after")
+    def _check_lists(self) -> "PreflightConfig":
+        bad = [s for s in self.sizes if s <= 0]
+        if bad:
+            raise ValueError(f"preflight.sizes: sizes are positive numbers of bytes, got {bad[0]}")
+        for key in ("sizes", "dtypes"):
+            values = getattr(self, key)
+            if len(set(values)) != len(values):
+                raise ValueError(f"preflight.{key} lists {values}: each value once")
+        return self
+
+
 class Config(Section):
     job: JobConfig = Field(default_factory=JobConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -381,6 +481,8 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
     @model_validator(mode="after")
     def _check_batch(self) -> "Config":

@@ -40,7 +40,7 @@ def test_elastic_resume_continues_the_loss_curve(uninterrupted):
     ranks = (4, 2, 1, 4)
     root, corpus, expected = uninterrupted
     name = "elastic-" + "-".join(map(str, ranks))
-    out = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, training__steps=2,
+    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, training__steps=2,
                                                                    **RUN)], root)
     assert out.returncode == 0, out.stderr
     job = root / "jobs" / name

@@ -55,7 +55,7 @@ NO_SEED = {"fsdp2_tp2"}
 
 def prepare_job(root, corpus, seed, name, **extra):
     job = root / "jobs" / name
-    out = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, **{**BASE, **extra})],
+    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, **{**BASE, **extra})],
                       root)
     assert out.returncode == 0, out.stderr
     if name not in NO_SEED:

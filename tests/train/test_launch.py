@@ -6,7 +6,7 @@ from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, torchrun
 
 
 def test_submit_then_torchrun_trains_the_job(corpus, tmp_path):
-    submit = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", "tr",
+    submit = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", "tr",
                                                                       training__steps=3)], tmp_path)
     assert submit.returncode == 0, submit.stderr
     job = tmp_path / "jobs" / "tr"
@@ -16,7 +16,7 @@ def test_submit_then_torchrun_trains_the_job(corpus, tmp_path):
 
 
 def test_impossible_layout_fails_before_any_work(corpus, tmp_path):
-    run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", "bad",
+    run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", "bad",
                                                              parallel__tp=3)], tmp_path)
     run = torchrun(2, ["train", str(tmp_path / "jobs" / "bad")], tmp_path)
     assert run.returncode != 0

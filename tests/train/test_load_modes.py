@@ -169,7 +169,7 @@ def test_checkpoint_from_one_process_starts_a_two_process_fsdp_job(source):
     one.train()
     expected = [r["loss"] for r in read_metrics(one.job_dir / "metrics.jsonl")]
 
-    out = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", "transfer-2", **run)], root)
+    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", "transfer-2", **run)], root)
     assert out.returncode == 0, out.stderr
     job = root / "jobs" / "transfer-2"
     two = torchrun(2, ["train", str(job)], root)

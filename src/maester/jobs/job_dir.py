@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from importlib import resources
 from pathlib import Path
-from string import Template
 
 from maester.config import Config, load_config
+from maester.jobs.slurm import render_slurm_script
 
 log = logging.getLogger("maester")
 
@@ -17,12 +16,6 @@ CONFIG_FILE = "config.json"
 
 def is_job_dir(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
-
-
-def render_slurm_script(cfg: Config, job_dir: Path) -> str:
-    template = resources.files("maester.jobs").joinpath("templates/slurm.sh").read_text()
-    return Template(template).substitute(job_name=cfg.job.name, job_dir=job_dir.resolve(),
-                                         workdir=Path.cwd().resolve())
 
 
 def write_job_dir(cfg: Config, job_dir: Path | None = None) -> Path:

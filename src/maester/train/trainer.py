@@ -1,4 +1,5 @@
-"""The training loop: build everything from the config, resume if the job has a checkpoint, train, log, save."""
+"""The training loop: build everything from the config, resume if the job has a checkpoint, train, log, save;
+stop early and cleanly when asked to (`maester.train.preemption`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from maester.train.faults import maybe_crash
 from maester.train.loss import cross_entropy_sum
 from maester.train.metrics import MetricsWriter, device_peak_flops, model_flops_per_token, peak_memory_gib
 from maester.train.optim import build_optimizer
+from maester.train.preemption import REQUEUE_FILE, StopRequests, clear_markers_of_earlier_runs, mark_completed
 from maester.train.schedule import lr_multiplier
 
 log = logging.getLogger("maester")
@@ -38,6 +40,8 @@ class TrainResult:
     step: int
     loss: float | None
     checkpoint: Path | None
+    stop_reason: str | None = None
+    """Why training stopped before `training.steps` (a signal or the stop file); None: it reached the end."""
 
 
 BATCH_STATISTICS = ("labels", "real", "tokens", "documents", "document_tokens", "document_tokens_max")
@@ -127,6 +131,10 @@ class Trainer:
         self.rank, self.world_size, self.device = init_distributed(cfg.training.device)
         setup_logging(self.job_dir, self.rank)
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
+        if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
+            from maester.jobs.preflight import run_preflight
+
+            run_preflight(cfg.preflight, self.job_dir, self.device, fail_fast=cfg.preflight.fail_fast)
         seed_everything(cfg.training.seed)
         if cfg.training.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -228,7 +236,11 @@ class Trainer:
         total = cfg.training.steps
         if self.step >= total:
             log.info("already at step %d of %d: nothing to train", self.step, total)
+            if self.rank == 0:  # a run that ended between its last checkpoint and the marker
+                mark_completed(self.job_dir, self.step, self.checkpointer.latest())
             return TrainResult(self.step, None, self.checkpointer.latest())
+        if self.rank == 0:
+            clear_markers_of_earlier_runs(self.job_dir, self.step, total)
         from tqdm import tqdm
 
         progress = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
@@ -239,10 +251,12 @@ class Trainer:
         max_norm = cfg.training.max_grad_norm or math.inf
         params = [p for p in model.parameters() if p.requires_grad]
         dp_size = self.dims.dp_size
-        last_checkpoint, loss_value = None, None
+        last_checkpoint, loss_value, stop_reason = None, None, None
         window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
         window_batches, window_steps = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64), 0
         model.train()
+        stops = StopRequests(self.job_dir, self.rank)
+        stops.install()  # signal handlers that only set a flag, until training ends
         try:
             while self.step < total:
                 t0 = time.perf_counter()
@@ -295,18 +309,35 @@ class Trainer:
                         writer.write_eval({"step": self.step, "val_loss": val_loss})
 
                 if self._checkpoint_due():
-                    last_checkpoint = self.checkpointer.save(
-                        self.step, model, optimizer,
-                        {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
-                         "schedule_start": self.schedule_start, **self.provenance}, cfg.to_json())
-                    log.info("saved checkpoint %s", last_checkpoint)
+                    last_checkpoint = self._save_checkpoint()
                 maybe_crash("after_step", self.step)
+
+                # After the last step the run is complete, whatever was asked.
+                stop_reason = stops.agree(self.device) if self.step < total else None
+                if stop_reason is not None:
+                    if last_checkpoint is None or last_checkpoint.name != f"step-{self.step}":
+                        last_checkpoint = self._save_checkpoint()
+                    stops.acknowledge(self.step, stop_reason, last_checkpoint)
+                    log.info("stopped on request (%s) after step %d of %d with checkpoint %s; wrote %s",
+                             stop_reason, self.step, total, last_checkpoint, self.job_dir / REQUEUE_FILE)
+                    break
         finally:
+            stops.restore()
             self.loader.close()
             progress.close()
             if writer is not None:
                 writer.close()
-        return TrainResult(self.step, loss_value, last_checkpoint or self.checkpointer.latest())
+        if stop_reason is None and self.rank == 0:
+            mark_completed(self.job_dir, self.step, last_checkpoint or self.checkpointer.latest())
+        return TrainResult(self.step, loss_value, last_checkpoint or self.checkpointer.latest(), stop_reason)
+
+    def _save_checkpoint(self) -> Path:
+        path = self.checkpointer.save(
+            self.step, self.model, self.optimizer,
+            {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
+             "schedule_start": self.schedule_start, **self.provenance}, self.cfg.to_json())
+        log.info("saved checkpoint %s", path)
+        return path
 
     def _batch_metrics(self, totals: torch.Tensor, steps: int) -> dict:
         """Label tokens per step, padding efficiency and document (conversation) lengths over the logging window,

@@ -1,0 +1,139 @@
+"""SLURM: render `jobs/<name>/slurm.sh` from a Jinja2 template and submit it with `sbatch`.
+
+Templates: `default` and `lumi` ship in `maester/jobs/templates/`; `slurm.template` may also name a file of your
+own, which can `{% include "run.sh.j2" %}` for maester's launch-and-requeue body. Undefined variables are errors.
+Every submission is recorded in `jobs/<name>/slurm_jobs.jsonl` (one JSON object per SLURM job id).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from maester.config import Config
+
+TEMPLATES = {"default": "default.sh.j2", "lumi": "lumi.sh.j2"}
+# What a preset assumes for the fields a config leaves at their defaults (LUMI-G: 8 GCDs and 56 cores a node).
+PRESETS = {"lumi": dict(gpus_per_node=8, cpus_per_task=56, mem="0", partition="standard-g")}
+JOB_IDS_FILE = "slurm_jobs.jsonl"
+
+
+class SubmitError(ValueError):
+    pass
+
+
+def _environment(search: list[Path]):
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader([str(p) for p in search]),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env.filters["sh"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def _template_source(name: str) -> tuple[list[Path], str]:
+    """(loader search path, template name) for `slurm.template`."""
+    packaged = Path(str(resources.files("maester.jobs").joinpath("templates")))
+    if name in TEMPLATES:
+        return [packaged], TEMPLATES[name]
+    path = Path(name)
+    if not path.is_file():
+        raise SubmitError(f"slurm.template {name!r} is neither {' nor '.join(map(repr, TEMPLATES))} nor a file")
+    return [path.resolve().parent, packaged], path.name
+
+
+def container_prefix(cfg: Config, job_dir: Path, workdir: Path) -> str:
+    """`singularity exec --bind ... IMAGE ` (with a trailing space), or "" without a container."""
+    c = cfg.slurm.container
+    if c.runtime == "none":
+        return ""
+    binds = list(dict.fromkeys([str(workdir), str(job_dir), *c.binds]))
+    parts = [c.runtime, "exec", *(f"--bind={b}" for b in binds), *c.options, c.image]
+    return " ".join(shlex.quote(p) for p in parts) + " "
+
+
+def render_slurm_script(cfg: Config, job_dir: Path, workdir: Path | None = None) -> str:
+    """The job script for `cfg`, run from `workdir` (default: the current directory)."""
+    import jinja2
+
+    job_dir, workdir = Path(job_dir).resolve(), Path(workdir or Path.cwd()).resolve()
+    s = cfg.slurm
+    preset = {k: v for k, v in PRESETS.get(s.template, {}).items() if getattr(s, k) == type(s).model_fields[k].default}
+    s = s.model_copy(update=preset)
+    search, name = _template_source(s.template)
+    python = s.python or ("python3" if s.container.runtime != "none" else sys.executable)
+    context = dict(job_name=cfg.job.name, job_dir=str(job_dir), workdir=str(workdir), slurm=s,
+                   nproc_per_node=s.nproc_per_node or s.gpus_per_node or 1, python=python,
+                   container=container_prefix(cfg, job_dir, workdir))
+    try:
+        return _environment(search).get_template(name).render(**context)
+    except jinja2.UndefinedError as e:
+        raise SubmitError(f"slurm.template {s.template!r}: {e.message} (variables: "
+                          f"{', '.join(sorted(context))})") from None
+    except jinja2.TemplateError as e:
+        where = f"{getattr(e, 'filename', None) or name}:{getattr(e, 'lineno', '?')}"
+        raise SubmitError(f"slurm.template {s.template!r}: {where}: {e}") from None
+
+
+def check_inputs(cfg: Config) -> list[str]:
+    """What would make the job fail at once on the cluster: missing data, tokenizer or init_from paths."""
+    from maester.data.text_files import resolve_files
+
+    problems = []
+    for i, source in enumerate(cfg.data.sources):
+        if source.path.startswith("builtin:"):
+            continue
+        try:
+            resolve_files(source)
+        except (FileNotFoundError, ValueError) as e:
+            problems.append(f"data.sources[{i}].path: {e}")
+    if cfg.tokenizer.path is not None and not Path(cfg.tokenizer.path).exists():
+        problems.append(f"tokenizer.path: {cfg.tokenizer.path} does not exist")
+    if cfg.checkpoint.init_from:
+        source = cfg.checkpoint.init_from.removeprefix("hf:")
+        if not Path(source).exists():
+            problems.append(f"checkpoint.init_from: {source} does not exist")
+    return problems
+
+
+def sbatch(script: Path, dependency: str | None = None) -> str:
+    """Submit `script`; returns the SLURM job id."""
+    if shutil.which("sbatch") is None:
+        raise SubmitError("sbatch is not on PATH: this machine is not a SLURM login node (use --no-submit to "
+                          "only write the job directory, or `maester launch` to run it here)")
+    cmd = ["sbatch", "--parsable"] + ([f"--dependency={dependency}"] if dependency else []) + [str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SubmitError(f"{' '.join(cmd)} failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def submit_job(job_dir: Path, chain: int = 1, after: str | None = None) -> list[str]:
+    """Submit the job's slurm.sh `chain` times, each link waiting for the previous one to end (`afterany`), the
+    first after `after` when given. Records and returns the job ids."""
+    if chain < 1:
+        raise SubmitError(f"--chain {chain}: must be at least 1")
+    ids: list[str] = []
+    for link in range(chain):
+        previous = ids[-1] if ids else after
+        job_id = sbatch(job_dir / "slurm.sh", f"afterany:{previous}" if previous else None)
+        ids.append(job_id)
+        record = {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "link": link + 1,
+                  "chain": chain, "after": previous}
+        with open(job_dir / JOB_IDS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return ids
+
+
+def recorded_jobs(job_dir: Path) -> list[dict]:
+    """The submissions of a job directory, oldest first."""
+    path = Path(job_dir) / JOB_IDS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

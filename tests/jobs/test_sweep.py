@@ -1,0 +1,68 @@
+"""Sweep files expand to the points they say; bad ones are errors naming the key. (Submitting, status, cancel,
+retry and report against a real SLURM are in tests/slurm.)"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from maester.config import Config, ConfigError
+from maester.jobs.sweep import expand, load_sweep, report, status, submit_sweep
+from tests.helpers import DEMO_CONFIG
+
+
+def sweep_file(tmp_path, body: str):
+    path = tmp_path / "sweep.toml"
+    path.write_text(f'name = "s"\nbase = "{DEMO_CONFIG}"\n' + body)
+    return path
+
+
+def test_product_of_a_list_and_a_logspace(tmp_path):
+    _, points = expand(sweep_file(tmp_path, '[parameters]\n"optimizer.lr" = {logspace = [-4, -2, 3]}\n'
+                                            '"model.overrides.n_layers" = [1, 2]\n'))
+    assert [p["name"] for p in points] == [f"p{i:03d}" for i in range(6)]
+    assert [p["params"]["optimizer.lr"] for p in points] == pytest.approx([1e-4, 1e-4, 1e-3, 1e-3, 1e-2, 1e-2])
+    assert [p["params"]["model.overrides.n_layers"] for p in points] == [1, 2, 1, 2, 1, 2]
+    assert points[2]["overrides"] == ["--optimizer.lr=0.001", "--model.overrides.n_layers=1"]
+
+
+def test_zip_and_linspace_and_fixed(tmp_path):
+    _, points = expand(sweep_file(tmp_path, 'mode = "zip"\n[fixed]\n"training.steps" = 7\n[parameters]\n'
+                                            '"optimizer.lr" = {linspace = [0.1, 0.3, 3]}\n'
+                                            '"optimizer.name" = ["adamw", "adamw", "adamw"]\n'))
+    assert [p["params"]["optimizer.lr"] for p in points] == pytest.approx([0.1, 0.2, 0.3])
+    assert all(p["overrides"][0] == "--training.steps=7" for p in points)
+
+
+@pytest.mark.parametrize("body, message", [
+    ('[parameters]\n"optimizer.lr" = []\n', "parameters.optimizer.lr is an empty list"),
+    ('[parameters]\n"optimizer.lr" = {logspace = [1, 2]}\n', "logspace must be [start, stop, count]"),
+    ('mode = "zip"\n[parameters]\n"a.b" = [1, 2]\n"c.d" = [1]\n', "lists of one length"),
+    ('mode = "grid"\n[parameters]\n"a.b" = [1]\n', "mode 'grid'"),
+    ('colour = "red"\n[parameters]\n"a.b" = [1]\n', "unknown keys colour"),
+])
+def test_bad_sweep_files(tmp_path, body, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        expand(sweep_file(tmp_path, body))
+
+
+def test_submit_without_sbatch_writes_every_point_and_reports(tmp_path):
+    path = sweep_file(tmp_path, '[fixed]\n"model.flavor" = "tiny"\n[parameters]\n"optimizer.lr" = [0.001, 0.002]\n')
+    root = submit_sweep(path, [f"--job.dump_dir={tmp_path / 'jobs'}"], no_submit=True)
+    assert root == tmp_path / "jobs" / "s"
+    assert [p["name"] for p in load_sweep(root)["points"]] == ["p000", "p001"]
+    cfg = Config.from_json_file(root / "p001" / "config.json")
+    assert cfg.optimizer.lr == 0.002 and cfg.job.name == "p001" and cfg.model.flavor == "tiny"
+    # A point with a few logged steps shows them in status and the report.
+    (root / "p000" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n"
+                                                         for s in (1, 2, 3)))
+    rows = status(root)
+    assert [(r["job"], r["state"], r["step"], r["loss"]) for r in rows] == [
+        ("p000", "NOT SUBMITTED", 3, 2.0), ("p001", "NOT SUBMITTED", None, None)]
+    csv_path, png_path = report(root)
+    assert csv_path.read_text().splitlines()[1].startswith("p000,,NOT SUBMITTED,0.001,3,2.0")
+    assert png_path.stat().st_size > 10_000
+    with pytest.raises(Exception, match="submitted already"):
+        submit_sweep(path, [f"--job.dump_dir={tmp_path / 'jobs'}"], no_submit=True)

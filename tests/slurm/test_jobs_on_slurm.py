@@ -1,0 +1,157 @@
+"""Jobs on a real SLURM (the local cluster of scripts/slurm/local-cluster.sh): submit, sweeps, chains,
+preemption with requeue, cancel and retry. Each job is the tiny model on CPU."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from maester.jobs.slurm import recorded_jobs
+from maester.train.metrics import read_metrics
+from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides
+from tests.slurm.conftest import job_state, wait_for_job
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+TIMEOUT = 300
+# A CPU job on the local cluster: one core, no GPUs, SLURM's warning off unless a test sets it.
+CPU_JOB = dict(slurm__cpus_per_task=1, slurm__signal_seconds=0, logging__interval=1, checkpoint__interval=2,
+               schedule__warmup_steps=0, training__device="cpu")
+
+
+def losses(job: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(job / "metrics.jsonl")]
+
+
+def submit(tmp_path, name, *args, **extra) -> Path:
+    out = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(tmp_path / "corpus.parquet", tmp_path / "jobs",
+                                                                  name, **{**CPU_JOB, **extra}), *args], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tmp_path / "jobs" / name
+
+
+def reference(tmp_path, steps: int) -> list[float]:
+    """The same run without SLURM, uninterrupted."""
+    out = run_maester(["train", str(DEMO_CONFIG), *tiny_overrides(
+        tmp_path / "corpus.parquet", tmp_path / "local", "ref", training__steps=steps, **CPU_JOB)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return losses(tmp_path / "local" / "ref")
+
+
+@pytest.fixture
+def corpus_here(tmp_path):
+    from tests.helpers import write_corpus
+
+    write_corpus(tmp_path / "corpus.parquet")
+    return tmp_path
+
+
+def wait_for_step(job: Path, step: int, timeout: float = TIMEOUT) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        metrics = job / "metrics.jsonl"
+        if metrics.is_file() and any(r.get("step", 0) >= step for r in read_metrics(metrics)):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{job} did not reach step {step} in {timeout} s")
+
+
+def test_a_submitted_job_completes_with_its_metrics(corpus_here):
+    job = submit(corpus_here, "demo", training__steps=4)
+    (record,) = recorded_jobs(job)
+    assert wait_for_job(record["job_id"], TIMEOUT) == "COMPLETED"
+    assert [r["step"] for r in read_metrics(job / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert (job / "logs" / f"{record['job_id']}.out").is_file()
+    assert (job / "logs" / "latest.out").resolve() == (job / "logs" / f"{record['job_id']}.out").resolve()
+    assert json.loads((job / "COMPLETED").read_text())["step"] == 4
+
+
+def sweep_file(tmp_path: Path, name: str, body: str, **fixed) -> Path:
+    """A sweep over the tiny run on the test corpus; `body` holds its mode and [parameters]."""
+    settings = {**CPU_JOB, "model__flavor": "tiny", "data__seq_len": 32, "training__global_batch_size": 4,
+                "training__micro_batch_size": 2, "training__device": "cpu", "optimizer__lr": "3e-3", **fixed}
+    path, corpus = tmp_path / f"{name}.toml", tmp_path / "corpus.parquet"
+    path.write_text(f'name = "{name}"\nbase = "{DEMO_CONFIG}"\n' + body.split("[parameters]")[0] + "[fixed]\n"
+                    + "".join(f'"{k.replace("__", ".")}" = "{v}"\n' for k, v in settings.items())
+                    + f'"data.sources" = [{{path = "{corpus}"}}]\n'
+                    + "[parameters]" + body.split("[parameters]")[1])
+    return path
+
+
+def test_a_sweep_of_three_points_runs_and_reports(corpus_here):
+    sweep = sweep_file(corpus_here, "lr", '[parameters]\n"optimizer.lr" = [0.001, 0.003, 0.01]\n',
+                       training__steps=3)
+    out = run_maester(["sweep", "submit", str(sweep), f"--job.dump_dir={corpus_here / 'jobs'}"], corpus_here)
+    assert out.returncode == 0, out.stderr[-3000:]
+    root = corpus_here / "jobs" / "lr"
+    for point in ("p000", "p001", "p002"):
+        assert wait_for_job(recorded_jobs(root / point)[-1]["job_id"], TIMEOUT) == "COMPLETED"
+    table = run_maester(["sweep", "status", str(root)], corpus_here)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["job", "slurm", "id", "state", "optimizer.lr", "step", "loss"]
+    for line, point, lr in zip(lines[1:], ("p000", "p001", "p002"), ("0.001", "0.003", "0.01")):
+        cells = line.split()
+        assert cells[0] == point and cells[2] == "COMPLETED" and cells[3] == lr and cells[4] == "3"
+        assert float(cells[5]) == pytest.approx(losses(root / point)[-1], abs=1e-4)
+    report = run_maester(["sweep", "report", str(root)], corpus_here)
+    assert report.returncode == 0, report.stderr
+    assert (root / "report.png").stat().st_size > 10_000
+    assert len((root / "report.csv").read_text().splitlines()) == 4
+
+
+def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
+    steps = 30
+    expected = reference(corpus_here, steps)
+    job = submit(corpus_here, "chain", "--chain", "3", training__steps=steps, slurm__requeue="false")
+    links = [r["job_id"] for r in recorded_jobs(job)]
+    assert len(links) == 3
+    # The walltime warning of links 1 and 2, early: the script's trap touches this same file.
+    for stop_at in (6, 16):
+        wait_for_step(job, stop_at)
+        (job / "stop-requested").touch()
+        time.sleep(0.5)
+    assert [wait_for_job(j, TIMEOUT) for j in links] == ["COMPLETED"] * 3
+    got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
+    assert max(got) == steps and [got[s] for s in range(1, steps + 1)] == expected
+    logs = "".join((job / "logs" / f"{j}.out").read_text() for j in links)
+    assert logs.count("requeue") == 0 or "slurm.requeue is off" in logs
+
+
+def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_here):
+    steps = 30
+    expected = reference(corpus_here, steps)
+    job = submit(corpus_here, "preempted", training__steps=steps)
+    (record,) = recorded_jobs(job)
+    wait_for_step(job, 8)
+    import subprocess
+
+    subprocess.run(["scontrol", "requeue", record["job_id"]], check=True)
+    assert wait_for_job(record["job_id"], TIMEOUT, restarts=1) == "COMPLETED"
+    got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
+    assert [got[s] for s in range(1, steps + 1)] == expected
+    out = (job / "logs" / f"{record['job_id']}.out").read_text()
+    assert "restart 1" in out
+
+
+def test_cancel_and_retry_on_a_failing_point(corpus_here):
+    # p000 trains long enough to be cancelled; p001's init_from is a directory but not a checkpoint: it fails.
+    sweep = sweep_file(corpus_here, "cr", 'mode = "zip"\n[parameters]\n"training.steps" = [100000, 3]\n'
+                       f'"checkpoint.init_from" = ["null", "{corpus_here}"]\n')
+    out = run_maester(["sweep", "submit", str(sweep), f"--job.dump_dir={corpus_here / 'jobs'}"], corpus_here)
+    assert out.returncode == 0, out.stderr[-3000:]
+    root = corpus_here / "jobs" / "cr"
+    failing = recorded_jobs(root / "p001")[-1]["job_id"]
+    assert wait_for_job(failing, TIMEOUT) == "FAILED"
+    wait_for_step(root / "p000", 1)
+    cancelled = run_maester(["sweep", "cancel", str(root)], corpus_here)
+    assert cancelled.returncode == 0 and recorded_jobs(root / "p000")[-1]["job_id"] in cancelled.stdout
+    assert wait_for_job(recorded_jobs(root / "p000")[-1]["job_id"], TIMEOUT) == "CANCELLED"
+    retried = run_maester(["sweep", "retry", str(root)], corpus_here)
+    assert retried.returncode == 0 and "p000" in retried.stdout and "p001" in retried.stdout
+    assert [len(recorded_jobs(root / p)) for p in ("p000", "p001")] == [2, 2]
+    assert wait_for_job(recorded_jobs(root / "p001")[-1]["job_id"], TIMEOUT) == "FAILED"
+    run_maester(["sweep", "cancel", str(root)], corpus_here)  # do not leave p000 running
+    assert job_state(recorded_jobs(root / "p000")[-1]["job_id"]) in ("CANCELLED", "COMPLETING", "PENDING")
