@@ -262,8 +262,7 @@ def _train(args) -> None:
 
     from maester.train.trainer import Trainer, setup_logging
 
-    setup_logging(None, rank)
-    cfg, job_dir = config_for_target(args.target, args.overrides)  # again, now that config updates are reported
+    setup_logging(None, rank)  # so that write_job_dir reports what the overrides change
     if rank == 0:
         write_job_dir(cfg, job_dir)
     try:

@@ -19,8 +19,13 @@ def is_job_dir(path: str | Path) -> bool:
 
 
 def write_job_dir(cfg: Config, job_dir: Path | None = None) -> Path:
-    """Create or update the job directory; config.json is replaced atomically."""
+    """Create or update the job directory; config.json is replaced atomically (and what changed is logged)."""
     job_dir = Path(job_dir or cfg.job_dir)
+    if is_job_dir(job_dir):
+        saved = Config.from_json_file(job_dir / CONFIG_FILE)
+        if cfg != saved:
+            changed = sorted(_diff(saved.model_dump(mode="json"), cfg.model_dump(mode="json")))
+            log.info("updating %s: %s", job_dir / CONFIG_FILE, ", ".join(changed))
     for sub in ("logs", "checkpoints"):
         (job_dir / sub).mkdir(parents=True, exist_ok=True)
     _write_atomically(job_dir / CONFIG_FILE, cfg.to_json())
@@ -38,13 +43,7 @@ def _write_atomically(path: Path, text: str) -> None:
 def config_for_target(target: str, overrides: list[str]) -> tuple[Config, Path]:
     """`target` is a job directory (its config.json, plus overrides) or a config file (the job dir is derived)."""
     if is_job_dir(target):
-        job_dir = Path(target)
-        saved = Config.from_json_file(job_dir / CONFIG_FILE)
-        cfg = load_config(job_dir / CONFIG_FILE, overrides)
-        if cfg != saved:
-            changed = sorted(_diff(saved.model_dump(mode="json"), cfg.model_dump(mode="json")))
-            log.info("updating %s: %s", job_dir / CONFIG_FILE, ", ".join(changed))
-        return cfg, job_dir
+        return load_config(Path(target) / CONFIG_FILE, overrides), Path(target)
     if Path(target).is_dir():
         raise FileNotFoundError(f"{target} is a directory without {CONFIG_FILE}: not a job directory")
     cfg = load_config(target, overrides)

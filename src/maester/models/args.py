@@ -101,6 +101,18 @@ class TransformerArgs(BaseModel):
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.resolved_head_dim) ** -0.5
 
+    def differences(self, other: "TransformerArgs", ignore: tuple[str, ...] = ()) -> dict[str, tuple]:
+        """Field -> (this value, other's value) where the two differ, except the fields in `ignore`; head_dim is
+        compared resolved (None and dim // n_heads are the same model)."""
+        out = {}
+        for key in type(self).model_fields:
+            ours, theirs = getattr(self, key), getattr(other, key)
+            if key == "head_dim":
+                ours, theirs = self.resolved_head_dim, other.resolved_head_dim
+            if key not in ignore and ours != theirs:
+                out[key] = (ours, theirs)
+        return out
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (0-based), None for a global layer."""
         if self.sliding_window is None:

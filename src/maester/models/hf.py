@@ -194,10 +194,7 @@ def check_convertible(name: str, args: TransformerArgs) -> None:
     ref = next(iter(ARCHITECTURES[name].flavors.values()))
     expected = TransformerArgs(**{**ref.model_dump(), **fields, "attention": args.attention,
                                   "init_std": args.init_std})
-    differing = [k for k in TransformerArgs.model_fields
-                 if k not in ("head_dim", "attention", "init_std") and getattr(expected, k) != getattr(args, k)]
-    if expected.resolved_head_dim != args.resolved_head_dim:
-        differing.append("head_dim")
+    differing = list(args.differences(expected, ignore=("attention", "init_std")))
     if differing:
         raise HFFormatError(f"this {name} model sets {', '.join(differing)} to values HF's {HF_NAMES[name][1]} "
                             f"cannot express")

@@ -86,7 +86,7 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", toke
         else:  # named, not guessed: using it fails until the files are there
             tree["tokenizer"] = {"kind": "hf", "path": str(final_tokenizer)}
         cfg = Config.model_validate(tree)
-        if _comparable(cfg.model.architecture()) != _comparable(args):
+        if cfg.model.architecture().differences(args, ignore=_NOT_ARCHITECTURE):
             raise AssertionError(f"flavor {flavor!r} with overrides {overrides} does not rebuild {hf_dir}'s model")
         _save_model_state(tmp, name, args, state)
         _write_json(tmp / "config.json", cfg.model_dump(mode="json"))
@@ -98,24 +98,13 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", toke
 def choose_flavor(name: str, args: TransformerArgs) -> tuple[str, dict[str, Any]]:
     """The flavor of architecture `name` that `args` equals, with no overrides; else the flavor with the fewest
     differing fields and those fields as overrides (the first such flavor in the registry's order)."""
-    ours = _comparable(args)
     best: tuple[str, dict[str, Any]] | None = None
     for flavor, ref in ARCHITECTURES[name].flavors.items():
-        theirs = _comparable(ref)
-        differing = {k: v for k, v in ours.items() if theirs[k] != v}
+        differing = {k: ours for k, (ours, _) in args.differences(ref, ignore=_NOT_ARCHITECTURE).items()}
         if best is None or len(differing) < len(best[1]):
             best = (flavor, differing)
     assert best is not None
     return best
-
-
-def _comparable(args) -> dict[str, Any]:
-    """Architecture fields as plain values, head_dim resolved (None and dim // n_heads are the same model)."""
-    fields = args.model_dump()
-    for key in _NOT_ARCHITECTURE:
-        fields.pop(key)
-    fields["head_dim"] = args.resolved_head_dim
-    return fields
 
 
 def hf_tokenizer_settings(tokenizer_dir: Path, hf: dict) -> dict[str, Any]:

@@ -40,8 +40,9 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
     """An HF model directory as a model (float32 on `device`), its tokenizer, and the config that describes them:
     the architecture from config.json (`model.hf_config`), the tokenizer and its chat template as `maester convert
     from-hf` would set them."""
-    from maester.models.hf import read_hf_config, read_hf_tensors, state_dict_from_hf
+    from maester.models.hf import read_hf_config
     from maester.tools.convert import hf_tokenizer_settings
+    from maester.train.checkpoint import load_hf_weights
 
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json: generating from an HF directory needs the model's "
@@ -51,8 +52,7 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
     tokenizer = build_tokenizer(cfg.tokenizer)
     args = resolve_args(cfg.model, tokenizer.vocab_size)
     model = materialize(build_on_meta(cfg.model, args), device, 0)
-    model.load_state_dict(state_dict_from_hf(cfg.model.name, args, read_hf_tensors(path), where=str(path)),
-                          strict=True)
+    load_hf_weights(path, model, cfg.model.name, str(path))
     return model.eval(), tokenizer, cfg
 
 

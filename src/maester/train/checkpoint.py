@@ -225,19 +225,15 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
 
 # Fields an `hf:` source may differ in from the run's model: the attention kernel, the init of weights that are
 # loaded anyway, and the context length the run trains at.
-_HF_FREE_FIELDS = ("attention", "init_std", "max_seq_len", "head_dim")
+_HF_FREE_FIELDS = ("attention", "init_std", "max_seq_len")
 
 
 def hf_architecture_differences(name: str, args, hf_name: str, hf_args) -> list[str]:
     """How the run's model (architecture `name`, `args`) differs from an HF directory's; empty when its weights
     fit. The head dimension is compared resolved; the vocabulary must be the same size."""
     out = [] if name == hf_name else [f"architecture (run {name}, HF {hf_name})"]
-    for key in type(args).model_fields:
-        if key not in _HF_FREE_FIELDS and getattr(args, key) != getattr(hf_args, key):
-            out.append(f"{key} (run {getattr(args, key)!r}, HF {getattr(hf_args, key)!r})")
-    if args.resolved_head_dim != hf_args.resolved_head_dim:
-        out.append(f"head_dim (run {args.resolved_head_dim}, HF {hf_args.resolved_head_dim})")
-    return out
+    return out + [f"{key} (run {ours!r}, HF {theirs!r})"
+                  for key, (ours, theirs) in args.differences(hf_args, ignore=_HF_FREE_FIELDS).items()]
 
 
 def load_hf_weights(path: Path, model: nn.Module, name: str, where: str) -> None:
