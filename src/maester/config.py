@@ -51,6 +51,9 @@ class ModelConfig(Section):
     flavor: str = "demo"
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Any architecture field, e.g. `{n_layers = 4}`; replaced by the validated, typed values."""
+    width: int | None = Field(None, gt=0)
+    """Build the architecture at this width (model dim) with its head dim held fixed: the heads, KV heads and FFN
+    width scale with it (μP width sweeps). None: the flavor's own width."""
     hf_config: str | None = None
     """A Hugging Face `config.json` (or the directory holding it) to take the architecture from instead of a
     flavor; `name` follows its model_type and `overrides` still apply, e.g. a public model with fewer layers."""
@@ -65,6 +68,15 @@ class ModelConfig(Section):
     def _check_architecture(self) -> "ModelConfig":
         if "attention" in self.overrides:
             raise ValueError("model.overrides.attention: the attention kernel is set by model.attention")
+        mup = sorted(k for k in self.overrides if k.startswith("mup_"))
+        if mup:
+            raise ValueError(f"model.overrides.{mup[0]}: μP is set by the mup section (mup.enabled, "
+                             f"mup.base_width, ...)")
+        if self.width is not None:
+            clash = sorted(set(self.overrides) & set(WIDTH_FIELDS))
+            if clash:
+                raise ValueError(f"model.width and model.overrides.{clash[0]} exclude each other: the width sets "
+                                 f"{', '.join(WIDTH_FIELDS)}")
         if self.hf_config is not None:
             from maester.models.hf import architecture_of, read_hf_config
 
@@ -102,10 +114,32 @@ class ModelConfig(Section):
             base = args_from_hf(read_hf_config(self.hf_config), f"model.hf_config ({self.hf_config})")[1]
         else:
             base = arch.flavors[self.flavor].model_dump()
+        if self.width is not None:
+            base = scale_width(base, self.width)
         try:
             return arch.args_class.model_validate({**base, **self.overrides, "attention": self.attention})
         except ValidationError as e:
             raise ValueError("; ".join(_format_pydantic_error(err, "model.overrides", None) for err in e.errors()))
+
+
+WIDTH_FIELDS = ("dim", "n_heads", "n_kv_heads", "ffn_hidden_dim")
+
+
+def scale_width(fields: dict[str, Any], width: int) -> dict[str, Any]:
+    """Architecture fields scaled to model dim `width`: the head dim and the query heads per KV head stay, the
+    head counts and the FFN width scale with the dim."""
+    dim, heads, kv = fields["dim"], fields["n_heads"], fields["n_kv_heads"]
+    head_dim = fields.get("head_dim") or dim // heads
+    if width % head_dim:
+        raise ValueError(f"model.width = {width} is not a multiple of the head dim {head_dim}")
+    n_heads = width // head_dim
+    group = heads // kv
+    if n_heads % group:
+        raise ValueError(f"model.width = {width} gives {n_heads} heads, not a multiple of the {group} query heads "
+                         f"per KV head")
+    return {**fields, "dim": width, "n_heads": n_heads, "n_kv_heads": n_heads // group,
+            "ffn_hidden_dim": max(1, round(fields["ffn_hidden_dim"] * width / dim)),
+            "head_dim": fields.get("head_dim")}
 
 
 class TokenizerConfig(Section):
@@ -249,27 +283,150 @@ class TrainingConfig(Section):
     """Use deterministic kernels (`torch.use_deterministic_algorithms`); CPU runs are bitwise repeatable anyway."""
 
 
+class ParamGroupRule(Section):
+    """One rule of `optimizer.groups`: which parameters it takes and how they train. A parameter takes the first
+    rule that matches it, the built-in rules last (`maester.train.optim.DEFAULT_RULES`)."""
+
+    name: str
+    params: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
+    """fnmatch patterns over parameter names as the model names them, e.g. `layers.*.attention.*`, `*.bias`,
+    `tok_embeddings.weight`, `output.weight`."""
+    ndim: list[int] | None = None
+    """Tensor ranks the rule takes (1: norm gains and biases, 2: matrices); None: any."""
+    lr_multiplier: float = Field(1.0, gt=0)
+    """Times the base LR (`optimizer.lr`, or `optimizer.muon.lr` for Muon parameters), before μP and schedule."""
+    weight_decay: float | None = Field(None, ge=0)
+    """None: `optimizer.weight_decay` (`optimizer.muon.weight_decay` for Muon parameters)."""
+    muon: bool | None = None
+    """With `optimizer.name = "muon"`: whether these parameters take the Muon update (matrices only) or AdamW;
+    None: Muon for the matrices of the transformer blocks, AdamW for everything else."""
+
+
+class MuonConfig(Section):
+    """Muon: momentum, then Newton-Schulz orthogonalisation of each hidden matrix's update."""
+
+    lr: float = Field(0.02, gt=0)
+    momentum: float = Field(0.95, ge=0, lt=1)
+    nesterov: bool = True
+    ns_steps: int = Field(5, ge=1)
+    coefficients: Literal["quintic", "polar_express"] = "quintic"
+    """`quintic`: the fixed (3.4445, -4.7750, 2.0315) of the modded-nanogpt speedruns; `polar_express`: the
+    per-iteration coefficients of Polar Express (Amsel et al., 2025)."""
+    lr_scaling: Literal["spectral", "match_adamw", "none"] = "spectral"
+    """Shape-aware LR: `spectral` x sqrt(max(1, rows / cols)) (Keller Jordan's Muon); `match_adamw`
+    x 0.2 sqrt(max(rows, cols)) (Moonlight: an update RMS like AdamW's, so AdamW LRs carry over); `none`."""
+    weight_decay: float | None = Field(None, ge=0)
+    """Decoupled, after orthogonalisation; None: `optimizer.weight_decay`."""
+    momentum_warmup_steps: int = Field(0, ge=0)
+    """Raise the momentum linearly from `momentum_warmup_start` to `momentum` over this many steps; 0: off."""
+    momentum_warmup_start: float = Field(0.85, ge=0, lt=1)
+    normuon: bool = False
+    """NorMuon: normalise each row of the orthogonalised update by a running RMS (`normuon_beta2`), keeping the
+    update's overall norm."""
+    normuon_beta2: float = Field(0.95, ge=0, lt=1)
+    ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Precision of the Newton-Schulz iterations; `auto`: bfloat16 on GPU, float32 on CPU."""
+
+
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "muon")
+
+
 class OptimizerConfig(Section):
-    name: Literal["adamw"] = "adamw"
+    name: str = "adamw"
+    """`adamw`, `adam`, `sgd`, `muon` (Muon for hidden matrices and AdamW for the rest, one optimizer), any
+    `torch.optim` class by name (`RMSprop`, `Adagrad`, ...) or an importable `package.module.Class`."""
     lr: float = Field(3e-4, gt=0)
+    """Base LR (Muon's AdamW part included); each group's rule and μP multiply it, the schedule scales it."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam-family only (adamw, adam, Muon's AdamW part)."""
     eps: float = Field(1e-8, gt=0)
+    """Adam-family only."""
     weight_decay: float = Field(0.1, ge=0)
-    """Applied to matrices only: never to embeddings, norms or biases."""
+    """Default decay of the groups; the built-in rules keep it off embeddings, norms and biases."""
+    momentum: float = Field(0.0, ge=0, lt=1)
+    """`sgd` only."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Further keyword arguments of the optimizer class (e.g. `{nesterov = true}` for sgd, `{amsgrad = true}`)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-    """`auto`: fused on GPU, foreach on CPU."""
+    """`auto`: fused on GPU where the class has a fused kernel, foreach otherwise (where the class has one)."""
+    groups: list[ParamGroupRule] = Field(default_factory=list)
+    """Parameter-group rules, tried in order before the built-in ones; the resolved groups are logged at start."""
+    muon: MuonConfig = Field(default_factory=MuonConfig)
+    """`name = "muon"` only."""
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "OptimizerConfig":
+        if self.name.lower() in OPTIMIZER_NAMES:
+            object.__setattr__(self, "name", self.name.lower())
+        elif not self.name.replace(".", "").replace("_", "").isalnum():
+            raise ValueError(f"optimizer.name {self.name!r} is neither one of {', '.join(OPTIMIZER_NAMES)}, a "
+                             f"torch.optim class nor a dotted path package.module.Class")
+        names = [g.name for g in self.groups]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"optimizer.groups: the rule name(s) {', '.join(dup)} appear more than once")
+        if self.name != "muon":
+            muon_rules = [g.name for g in self.groups if g.muon is not None]
+            if muon_rules:
+                raise ValueError(f"optimizer.groups ({', '.join(muon_rules)}) set `muon`, but optimizer.name is "
+                                 f"{self.name!r}, not 'muon'")
+        return self
 
 
 class ScheduleConfig(Section):
-    name: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
-    """Learning-rate multiplier after warmup: constant, linear or cosine decay to `min_lr_ratio`, or
-    warmup-stable-decay (`wsd`) with a final decay of `decay_fraction` of the steps."""
+    name: Literal["constant", "linear", "cosine", "wsd", "step"] = "cosine"
+    """Learning-rate multiplier after warmup: constant, linear or cosine decay to `min_lr_ratio`,
+    warmup-stable-decay (`wsd`) with a final decay of `decay_fraction` of the steps, or `step`: times
+    `step_gamma` at each of `step_milestones`."""
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     decay_fraction: float = Field(0.2, gt=0, le=1)
-    """`wsd` only: the share of all steps spent decaying."""
+    """`wsd` only: the share of all steps spent decaying (1.0: the whole run decays, as a cooldown run does)."""
     decay_shape: Literal["linear", "1-sqrt", "cosine"] = "linear"
     """`wsd` only: the shape of the final decay."""
+    step_milestones: list[int] = Field(default_factory=list)
+    """`step` only: the schedule steps (counted from the schedule's start) after which the LR drops."""
+    step_gamma: float = Field(0.1, gt=0, le=1)
+    """`step` only: the factor of each drop."""
+
+    @model_validator(mode="after")
+    def _check_step(self) -> "ScheduleConfig":
+        if self.name == "step":
+            if not self.step_milestones:
+                raise ValueError("schedule.name = 'step' needs schedule.step_milestones (e.g. [6000, 8000])")
+            if any(m <= 0 for m in self.step_milestones) or self.step_milestones != sorted(set(self.step_milestones)):
+                raise ValueError(f"schedule.step_milestones must be positive and increasing, got "
+                                 f"{self.step_milestones}")
+        elif self.step_milestones:
+            raise ValueError(f"schedule.step_milestones is set, but schedule.name is {self.name!r}, not 'step'")
+        return self
+
+
+class MupConfig(Section):
+    """μP (maximal update parametrization), relative to a base model of width `base_width` (m = dim / base_width):
+    hidden-matrix init std x 1/sqrt(m), hidden-matrix Adam LR x 1/m, logits x output_alpha / m, attention scale
+    sqrt(base_head_dim) / head_dim, embeddings x input_alpha; embedding and readout LR unchanged. At m = 1 with
+    the alphas at 1 the model, its init and its LRs are exactly the standard ones."""
+
+    enabled: bool = False
+    base_width: int | None = Field(None, gt=0)
+    """The width (model dim) at which the hyperparameters were tuned."""
+    input_alpha: float = Field(1.0, gt=0)
+    output_alpha: float = Field(1.0, gt=0)
+    base_head_dim: int | None = Field(None, gt=0)
+    """The base model's head dim. None: the model's own, right when the head count grows with the width and the
+    head dim stays fixed (the scale stays 1/sqrt(head_dim)); set it when the head dim grows instead, and the
+    scale goes as 1/head_dim."""
+    zero_init_readout: bool = False
+    """Start the (untied) output layer at zero, which removes the logits' 1/sqrt(width) shrinking at init."""
+    zero_init_query: bool = False
+    """Start the query projections at zero."""
+
+    @model_validator(mode="after")
+    def _check_base(self) -> "MupConfig":
+        if self.enabled and self.base_width is None:
+            raise ValueError("mup.enabled needs mup.base_width (the model dim the hyperparameters were tuned at)")
+        return self
 
 
 class ParallelConfig(Section):
@@ -312,6 +469,7 @@ LOAD_MODES: dict[str, frozenset[str]] = {
     "reset_optimizer": frozenset({"model", "schedule", "data", "step"}),
     "transfer": frozenset({"model", "optimizer"}),
     "transfer_with_lr": frozenset({"model", "optimizer", "schedule", "step"}),
+    "cooldown": frozenset({"model", "optimizer", "data", "step"}),
 }
 """The parts of `checkpoint.init_from` each `checkpoint.load_mode` takes; every other part starts fresh."""
 
@@ -332,12 +490,13 @@ class CheckpointConfig(Section):
     `hf:PATH`: the weights of a Hugging Face model directory (config.json + safetensors), whose architecture must
     be the run's (`model.hf_config = PATH` takes it); it holds only weights, so only `model_only` applies."""
     load_mode: Literal["continue", "model_only", "model_data", "model_opt_data", "reset_optimizer", "transfer",
-                       "transfer_with_lr"] = "model_only"
+                       "transfer_with_lr", "cooldown"] = "model_only"
     """Which parts of `init_from` the run takes (`LOAD_MODES`); the rest start fresh. `continue`: model,
     optimizer state, schedule, data position, step (and the RNG state); `model_only`: the weights (fine-tuning);
     `model_data`: + data position; `model_opt_data`: + optimizer state and data position; `reset_optimizer`: all
     but the optimizer state; `transfer`: weights and optimizer state; `transfer_with_lr`: weights, optimizer
-    state, schedule and step."""
+    state, schedule and step; `cooldown`: all but the schedule, from a checkpoint in the stable phase of its
+    schedule (a WSD run's), and this run's schedule (no warmup) decays from that step to `training.steps`."""
     step_offset: int = Field(0, ge=0)
     """The step a run starts at when it does not take the step from `init_from`; its schedule (warmup
     included) still starts at that step."""
@@ -478,6 +637,7 @@ class Config(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    mup: MupConfig = Field(default_factory=MupConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -495,6 +655,9 @@ class Config(Section):
         if t.global_batch_size % t.micro_batch_size:
             raise ValueError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
                              f"training.micro_batch_size ({t.micro_batch_size})")
+        if self.checkpoint.load_mode == "cooldown" and self.schedule.warmup_steps:
+            raise ValueError(f"schedule.warmup_steps = {self.schedule.warmup_steps} with checkpoint.load_mode = "
+                             f"'cooldown': a cooldown continues at the stable LR, set schedule.warmup_steps = 0")
         if self.schedule.warmup_steps > t.steps:
             raise ValueError(f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
                              f"training.steps ({t.steps})")

@@ -90,7 +90,7 @@ def test_from_hf_writes_a_checkpoint_that_generates_as_transformers(hf_dirs, con
     cfg = json.loads((out / "config.json").read_text())
     # the published flavor closest to the model (tiny), the rest as overrides
     assert cfg["model"] == {"name": case, "flavor": "tiny", "overrides": {"vocab_size": 320, "max_seq_len": CONTEXT},
-                            "hf_config": None, "attention": "auto"}
+                            "width": None, "hf_config": None, "attention": "auto"}
     assert cfg["tokenizer"]["kind"] == "hf" and cfg["tokenizer"]["path"] == str((out / "tokenizer").resolve())
     assert sorted(p.name for p in (out / "tokenizer").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
     state = json.loads((out / "trainer_state.json").read_text())

@@ -36,7 +36,10 @@ EXPECTED = {
     "reset_optimizer": {"model", "schedule", "data", "step"},
     "transfer": {"model", "optimizer"},
     "transfer_with_lr": {"model", "optimizer", "schedule", "step"},
+    "cooldown": {"model", "optimizer", "data", "step"},
 }
+# A cooldown's own schedule has no warmup: a linear decay over its 2 steps is at 1/2 on its first step.
+COOLDOWN = dict(schedule__name="linear", schedule__warmup_steps=0)
 
 
 def make_trainer(corpus, root, name, **extra) -> Trainer:
@@ -85,9 +88,11 @@ def test_load_mode_takes_exactly_its_parts(source, mode):
     root, corpus, src, src_next = source
     takes = EXPECTED[mode]
     offset = {} if "step" in takes else {"checkpoint__step_offset": FRESH_STEP_OFFSET}
-    fresh = make_trainer(corpus, root, f"fresh-{mode}", **TARGET, **offset)
+    if mode == "cooldown":
+        offset = COOLDOWN
+    fresh = make_trainer(corpus, root, f"fresh-{mode}", **{**TARGET, **offset})
     fresh_rng = torch.get_rng_state()
-    target = make_trainer(corpus, root, f"target-{mode}", **TARGET, **offset,
+    target = make_trainer(corpus, root, f"target-{mode}", **{**TARGET, **offset},
                           checkpoint__init_from=str(src.job_dir), checkpoint__load_mode=mode)
     target_rng = torch.get_rng_state()
 
@@ -103,7 +108,7 @@ def test_load_mode_takes_exactly_its_parts(source, mode):
             assert int(mine["step"]) == SOURCE_STEPS
     else:
         assert len(target.optimizer.state) == 0
-    assert target.optimizer.param_groups[0]["weight_decay"] == 0.05
+    assert {g["name"]: g["weight_decay"] for g in target.optimizer.param_groups}["decay"] == 0.05
 
     # data: the batch the source would have taken next, or a fresh run's first batch
     batch = peek(target.loader)
@@ -126,7 +131,8 @@ def test_load_mode_takes_exactly_its_parts(source, mode):
     target.train()
     first = read_metrics(target.job_dir / "metrics.jsonl")[0]
     assert first["step"] == start + 1
-    assert first["lr"] == pytest.approx(LR if "schedule" in takes else LR / 4, rel=1e-12)
+    expected_lr = LR / 2 if mode == "cooldown" else LR if "schedule" in takes else LR / 4
+    assert first["lr"] == pytest.approx(expected_lr, rel=1e-12)
 
 
 def test_finetune_restarts_from_its_own_checkpoint(source):
@@ -179,6 +185,36 @@ def test_checkpoint_from_one_process_starts_a_two_process_fsdp_job(source):
     assert got == pytest.approx(expected, rel=1e-5)
     state = json.loads((job / "checkpoints" / "latest" / "trainer_state.json").read_text())
     assert state["load_mode"] == "transfer" and state["step"] == 3 and state["schedule_start"] == 0
+
+
+def test_cooldown_from_a_stable_checkpoint_equals_the_wsd_run(tmp_path, corpus):
+    """A WSD run of 8 steps decays linearly over its last 2; a cooldown from its stable step-6 checkpoint with a
+    2-step linear decay trains the same steps 7 and 8: same LRs, same data, same losses, bit for bit."""
+    wsd = dict(training__steps=8, schedule__name="wsd", schedule__decay_fraction=0.25, schedule__warmup_steps=2,
+               optimizer__lr=LR, checkpoint__interval=2, checkpoint__keep_last=4)
+    full = make_trainer(corpus, tmp_path, "wsd", **wsd)
+    full.train()
+    expected = read_metrics(full.job_dir / "metrics.jsonl")[-2:]
+    cool = make_trainer(corpus, tmp_path, "cool", training__steps=8, optimizer__lr=LR, checkpoint__interval=0,
+                        checkpoint__init_from=str(full.job_dir / "checkpoints" / "step-6"),
+                        checkpoint__load_mode="cooldown", **COOLDOWN)
+    assert cool.step == 6
+    cool.train()
+    got = read_metrics(cool.job_dir / "metrics.jsonl")
+    assert [r["step"] for r in got] == [7, 8] == [r["step"] for r in expected]
+    assert [r["lr"] for r in got] == [r["lr"] for r in expected] == [LR / 2, 0.0]
+    assert [r["loss"] for r in got] == [r["loss"] for r in expected]
+
+    with pytest.raises(ValueError, match=r"step-8 \(step 8\) is not in the stable phase of its schedule \(wsd\): "
+                                         r"its LR multiplier there is 0, not 1"):
+        make_trainer(corpus, tmp_path, "late", training__steps=10, checkpoint__load_mode="cooldown",
+                     checkpoint__init_from=str(full.job_dir / "checkpoints" / "step-8"), **COOLDOWN)
+
+
+def test_cooldown_with_a_warmup_is_refused(corpus, tmp_path):
+    with pytest.raises(ConfigError, match=r"schedule.warmup_steps = 3 with checkpoint.load_mode = 'cooldown'"):
+        load_config(None, tiny_overrides(corpus, tmp_path, checkpoint__init_from="x", schedule__warmup_steps=3,
+                                         checkpoint__load_mode="cooldown"), environ={})
 
 
 # --- bad combinations ---------------------------------------------------------------------------------------------

@@ -43,3 +43,19 @@ def test_wsd_stable_then_decay(shape, at_half):
 def test_wsd_min_ratio_floor():
     c = curve(name="wsd", decay_fraction=0.5, min_lr_ratio=0.2)
     assert min(c) == pytest.approx(0.2) and c[-1] == pytest.approx(0.2)
+
+
+def test_step_decay_drops_by_gamma_after_each_milestone():
+    c = curve(name="step", warmup_steps=5, step_milestones=[40, 70], step_gamma=0.5)
+    assert c[:5] == pytest.approx([s / 5 for s in range(1, 6)])
+    assert c[5:40] == [1.0] * 35 and c[40:70] == [0.5] * 30 and c[70:] == [0.25] * 30
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(name="step"), "schedule.name = 'step' needs schedule.step_milestones"),
+    (dict(name="step", step_milestones=[50, 20]), "must be positive and increasing"),
+    (dict(name="cosine", step_milestones=[20]), "schedule.name is 'cosine', not 'step'"),
+])
+def test_step_decay_settings_are_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ScheduleConfig(**kw)

@@ -6,19 +6,29 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from maester.config import ModelConfig
+from maester.config import ModelConfig, MupConfig
 from maester.models.registry import ARCHITECTURES
 
 
-def resolve_args(cfg: ModelConfig, tokenizer_vocab: int) -> BaseModel:
-    """Architecture args with `vocab_size` fixed: the flavor's own, or the tokenizer's rounded up to 64."""
+def resolve_args(cfg: ModelConfig, tokenizer_vocab: int, mup: MupConfig | None = None) -> BaseModel:
+    """Architecture args with `vocab_size` fixed (the flavor's own, or the tokenizer's rounded up to 64) and μP's
+    multipliers from `mup` (the run config's `mup` section) where it is enabled."""
     args = cfg.architecture()
+    if mup is not None and mup.enabled:
+        args = args.model_validate({**args.model_dump(), **mup_fields(mup)})
     if args.vocab_size is None:
         return args.model_copy(update={"vocab_size": -(-tokenizer_vocab // 64) * 64})
     if args.vocab_size < tokenizer_vocab:
         raise ValueError(f"model vocab_size {args.vocab_size} (flavor {cfg.flavor!r}) is smaller than the "
                          f"tokenizer's vocabulary {tokenizer_vocab}: set model.overrides.vocab_size")
     return args
+
+
+def mup_fields(mup: MupConfig) -> dict:
+    """The architecture fields (`TransformerArgs.mup_*`) of an enabled `mup` section."""
+    return {"mup_base_width": mup.base_width, "mup_input_alpha": mup.input_alpha,
+            "mup_output_alpha": mup.output_alpha, "mup_base_head_dim": mup.base_head_dim,
+            "mup_zero_init_readout": mup.zero_init_readout, "mup_zero_init_query": mup.zero_init_query}
 
 
 def build_on_meta(cfg: ModelConfig, args: BaseModel) -> nn.Module:

@@ -187,9 +187,20 @@ def hf_config(name: str, args: TransformerArgs, *, bos_id: int | None = None, eo
 
 
 def check_convertible(name: str, args: TransformerArgs) -> None:
-    """Refuse exports HF's class for `name` could not express (an override transformers has no key for)."""
+    """Refuse exports HF's class for `name` could not express (an override transformers has no key for, or μP
+    multipliers that change what the model computes)."""
     from maester.models.registry import ARCHITECTURES
 
+    if args.mup:
+        deviations = args.mup_deviations()
+        if deviations:
+            raise HFFormatError(f"this {name} model uses mup (μP, width multiplier m = {args.width_mult:g}), which "
+                                f"changes {'; '.join(deviations)}: HF's {HF_NAMES[name][1]} has no μP multipliers "
+                                f"(a μP model exports where these stay as without μP, e.g. at m = 1 with "
+                                f"mup.input_alpha = mup.output_alpha = 1 and mup.base_head_dim unset)")
+        # μP that leaves the function unchanged (its init settings aside) is the plain architecture.
+        args = args.model_copy(update={k: TransformerArgs.model_fields[k].default
+                                       for k in TransformerArgs.model_fields if k.startswith("mup_")})
     _, fields = args_from_hf(hf_config(name, args))
     ref = next(iter(ARCHITECTURES[name].flavors.values()))
     expected = TransformerArgs(**{**ref.model_dump(), **fields, "attention": args.attention,

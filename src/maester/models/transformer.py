@@ -4,6 +4,8 @@ A block is attention then MLP, each a residual branch; `TransformerArgs` picks t
 sits (pre, post or both), QK-norm, the MLP kind, biases, partial rotary, sliding-window layers and a parallel
 residual. Parameter names are the same for every architecture, so parallel plans and checkpoints need no
 per-model code; `maester.models.hf` maps them to and from Hugging Face names.
+μP (`TransformerArgs.mup`) changes the init of the block matrices and three scalars (embedding multiplier,
+attention scale, output multiplier); `parameter_roles` tells the optimizer which parameters are which.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ class TransformerBlock(nn.Module):
         pre, post = args.norm_placement in ("pre", "sandwich"), args.norm_placement in ("post", "sandwich")
         self.parallel_residual = args.parallel_residual
         self.attention_norm = norm() if pre else nn.Identity()
+        # None: the kernels' own 1/sqrt(head_dim); Gemma's query_pre_attn_scalar and μP's base head dim change it.
+        own_scale = args.query_pre_attn_scalar or args.attention_scale != args.resolved_head_dim ** -0.5
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.resolved_head_dim,
                                    bias=args.attention_bias, qk_norm=args.qk_norm, norm_kind=args.norm,
-                                   norm_eps=args.norm_eps,
-                                   # None: the kernels' own 1/sqrt(head_dim)
-                                   scale=args.attention_scale if args.query_pre_attn_scalar else None)
+                                   norm_eps=args.norm_eps, scale=args.attention_scale if own_scale else None)
         self.post_attention_norm = norm() if post else nn.Identity()
         self.ffn_norm = norm() if pre else nn.Identity()
         if args.mlp == "gelu":
@@ -92,10 +94,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every parameter and buffer in place (after `to_empty` from the meta device)."""
+        """Initialise every parameter and buffer in place (after `to_empty` from the meta device).
+
+        μP changes the numbers, never the order of draws: hidden matrices start 1/sqrt(m) smaller, and the zero
+        inits overwrite matrices drawn as usual, so every other parameter keeps the weights of the same seed."""
         std = self.args.init_std
+        hidden_std = std / math.sqrt(self.args.width_mult)  # m = 1 without μP
         # Residual-branch outputs are scaled down with depth (GPT-2) so activations stay O(1).
-        out_std = std / math.sqrt(2 * self.args.n_layers)
+        out_std = hidden_std / math.sqrt(2 * self.args.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for module in self.modules():
             if isinstance(module, (RMSNorm, nn.LayerNorm, RotaryEmbedding)):
@@ -104,12 +110,16 @@ class Transformer(nn.Module):
             attn, mlp = block.attention, block.feed_forward
             gate = [mlp.gate_proj] if isinstance(mlp, GatedMLP) else []
             inputs = [attn.q_proj, attn.k_proj, attn.v_proj, *gate, mlp.up_proj]
-            for lin, s in [(lin, std) for lin in inputs] + [(attn.o_proj, out_std), (mlp.down_proj, out_std)]:
+            for lin, s in [(lin, hidden_std) for lin in inputs] + [(attn.o_proj, out_std), (mlp.down_proj, out_std)]:
                 nn.init.trunc_normal_(lin.weight, std=s, a=-3 * s, b=3 * s)
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
+            if self.args.mup_zero_init_query:
+                nn.init.zeros_(attn.q_proj.weight)
         if self.output is not None:
             nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+            if self.args.mup_zero_init_readout:
+                nn.init.zeros_(self.output.weight)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
@@ -126,8 +136,10 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + seq, device=device).expand_as(input_ids)
         h = self.tok_embeddings(input_ids)
-        if self.args.embedding_scale:
-            h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
+        input_multiplier = self.args.embedding_multiplier  # Gemma's sqrt(dim), μP's input_alpha
+        if input_multiplier != 1.0:
+            # In the activations' dtype, as Hugging Face's Gemma rounds its normaliser.
+            h = h * torch.tensor(input_multiplier, dtype=h.dtype)
         ropes = {"global": self.rotary(position_ids, h.dtype)}
         if "local" in self.layer_ropes:
             ropes["local"] = self.local_rotary(position_ids, h.dtype)
@@ -150,4 +162,44 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += seq
         h = self.norm(h)
+        if self.args.output_multiplier != 1.0:
+            # μP's output_alpha / m, on the hidden state: the same for a tied or untied, whole or sharded head.
+            h = h * self.args.output_multiplier
         return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+
+
+# What activation checkpointing and torch.compile insert into parameter names (FSDP2 and TP insert nothing).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_parameter_name(name: str) -> str:
+    """A parameter's name as in the bare model (and in checkpoints): wrapper prefixes removed."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+PARAMETER_ROLES = ("embedding", "readout", "hidden", "vector")
+
+
+def parameter_roles(model: nn.Module) -> dict[str, str]:
+    """Canonical parameter name (`canonical_parameter_name`) -> role, for μP learning rates and Muon's choice of
+    matrices: `embedding` (the token embeddings, also the head when tied), `readout` (an untied output layer),
+    `hidden` (the matrices inside the blocks) or `vector` (norm gains, biases: anything under 2-D).
+
+    `model` is a `Transformer`, bare or as `maester.parallel.parallelize` left it."""
+    roles = {}
+    for raw, p in model.named_parameters():
+        name = canonical_parameter_name(raw)
+        if name == "tok_embeddings.weight":
+            roles[name] = "embedding"
+        elif name == "output.weight":
+            roles[name] = "readout"
+        elif p.ndim < 2:
+            roles[name] = "vector"
+        elif name.startswith("layers."):
+            roles[name] = "hidden"
+        else:
+            raise ValueError(f"parameter {raw} (shape {tuple(p.shape)}) is a matrix outside the blocks that is "
+                             f"neither the embedding nor the output layer: it has no μP role")
+    return roles

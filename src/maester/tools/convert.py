@@ -152,7 +152,7 @@ def _check_tokenizer_fits(cfg: Config) -> None:
     """The tokenizer builds from the copied files, and its vocabulary fits the model's."""
     from maester.models.build import resolve_args
 
-    resolve_args(cfg.model, build_tokenizer(cfg.tokenizer).vocab_size)
+    resolve_args(cfg.model, build_tokenizer(cfg.tokenizer).vocab_size, cfg.mup)
 
 
 def _save_model_state(directory: Path, name: str, args: TransformerArgs, state: dict[str, torch.Tensor]) -> None:
@@ -197,7 +197,7 @@ def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_sh
                          f"tokenizer files (hf and byte can): pass --no-tokenizer and add the model's tokenizer.json "
                          f"to {out} yourself")
     name = cfg.model.name
-    check_convertible(name, resolve_args(cfg.model, tok.vocab_size))
+    check_convertible(name, resolve_args(cfg.model, tok.vocab_size, cfg.mup))
     model = load_checkpoint_model(path, cfg, tok, torch.device("cpu"))
     args = model.args
     tensors = {k: v.to(_dtype(dtype)) for k, v in state_dict_to_hf(name, args, model.state_dict()).items()}

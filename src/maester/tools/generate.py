@@ -31,7 +31,7 @@ def load_for_inference(target: str | Path, device: torch.device) -> tuple[nn.Mod
 
 def load_checkpoint_model(path: Path, cfg: Config, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
     """The model of checkpoint `path`, built from its config `cfg`, in float32 on `device`."""
-    model = materialize(build_on_meta(cfg.model, resolve_args(cfg.model, tokenizer.vocab_size)), device, 0)
+    model = materialize(build_on_meta(cfg.model, resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup)), device, 0)
     load_model_weights(path, model)
     return model
 
@@ -50,7 +50,7 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
     hf = read_hf_config(path)
     cfg = Config.model_validate({"model": {"hf_config": str(path)}, **hf_tokenizer_settings(path, hf)})
     tokenizer = build_tokenizer(cfg.tokenizer)
-    args = resolve_args(cfg.model, tokenizer.vocab_size)
+    args = resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup)
     model = materialize(build_on_meta(cfg.model, args), device, 0)
     load_hf_weights(path, model, cfg.model.name, str(path))
     return model.eval(), tokenizer, cfg

@@ -14,6 +14,8 @@ def lr_multiplier(cfg: ScheduleConfig, step: int, total_steps: int) -> float:
     floor = cfg.min_lr_ratio
     if cfg.name == "constant":
         return 1.0
+    if cfg.name == "step":
+        return cfg.step_gamma ** sum(step > m for m in cfg.step_milestones)
     if cfg.name == "wsd":
         decay_steps = max(1, round(cfg.decay_fraction * total_steps))
         decay_start = max(cfg.warmup_steps, total_steps - decay_steps)

@@ -141,15 +141,15 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         self.tokenizer = build_tokenizer(cfg.tokenizer)
-        args = resolve_args(cfg.model, self.tokenizer.vocab_size)
+        args = resolve_args(cfg.model, self.tokenizer.vocab_size, cfg.mup)
         model = parallelize(build_on_meta(cfg.model, args), self.dims, cfg.parallel, self.device)
         init_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
         self.model = materialize(model, init_device, cfg.training.seed)
         if self.world_size > 1 and self.device.type == "cpu":
             copy_single_process_init(self.model, cfg, args)
         self.loss_parallel = uses_loss_parallel(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
-        self.base_lrs = [cfg.optimizer.lr for _ in self.optimizer.param_groups]
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
 
         t = cfg.training
@@ -200,6 +200,8 @@ class Trainer:
         elif c.init_from:
             source, mode = resolve_checkpoint(c.init_from), c.load_mode
             parts = LOAD_MODES[mode]
+            if mode == "cooldown":
+                check_stable_phase(source, self.cfg)
             state = self.checkpointer.load(source, self.model, self.optimizer, mode)
             try:
                 self._take_trainer_state(state, parts)
@@ -267,9 +269,9 @@ class Trainer:
                 window_batches[-1] = max(window_batches[-1], stats[-1])
                 micro_batches = [b.to(self.device) for b in host_batches]
                 self.step += 1
+                lr_mult = lr_multiplier(cfg.schedule, self.step - self.schedule_start, total - self.schedule_start)
                 for group, base in zip(optimizer.param_groups, self.base_lrs):
-                    group["lr"] = base * lr_multiplier(cfg.schedule, self.step - self.schedule_start,
-                                                       total - self.schedule_start)
+                    group["lr"] = base * lr_mult
 
                 loss = self._forward_backward(micro_batches, int(stats[0]))
                 grad_norm = clip_grad_norm(params, max_norm)
@@ -289,7 +291,7 @@ class Trainer:
                     tps = window_tokens / elapsed
                     per_device = tps / self.world_size
                     record = {
-                        "step": self.step, "loss": loss_value, "lr": optimizer.param_groups[0]["lr"],
+                        "step": self.step, "loss": loss_value, "lr": cfg.optimizer.lr * lr_mult,
                         "grad_norm": grad_norm.item(), "tokens_per_second": tps,
                         "mfu": per_device * flops_per_token / peak if peak else None,
                         "data_loading_seconds": window_data_s, "data_loading_share": window_data_s / elapsed,
@@ -414,6 +416,21 @@ class Trainer:
         return c.save_final and self.step == self.cfg.training.steps
 
 
+def check_stable_phase(source: Path, cfg: Config) -> None:
+    """A cooldown starts where the source run's LR stood at its peak; refuse a checkpoint taken in its warmup or
+    decay, and say so where the cooldown's base LR differs from the source's."""
+    state = read_trainer_state(source)
+    source_cfg = Config.from_json_file(source / "config.json")
+    step, start = state["step"], state.get("schedule_start", 0)
+    mult = lr_multiplier(source_cfg.schedule, step - start, source_cfg.training.steps - start)
+    if mult != 1.0:
+        raise ValueError(f"checkpoint.load_mode = 'cooldown': {source} (step {step}) is not in the stable phase of "
+                         f"its schedule ({source_cfg.schedule.name}): its LR multiplier there is {mult:.4g}, not 1")
+    if source_cfg.optimizer.lr != cfg.optimizer.lr:
+        log.warning("cooldown from %s: optimizer.lr is %g here and was %g there", source, cfg.optimizer.lr,
+                    source_cfg.optimizer.lr)
+
+
 def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
     """Initialise the model once, on one process, and save it as `step-0`: every layout that then trains the job
     starts from the same weights, so runs on different layouts are comparable."""
@@ -425,7 +442,7 @@ def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
         raise ValueError(f"{job_dir} already has a checkpoint ({checkpointer.latest().name}): a seed checkpoint "
                          f"only starts a new job")
     tokenizer = build_tokenizer(cfg.tokenizer)
-    args = resolve_args(cfg.model, tokenizer.vocab_size)
+    args = resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup)
     model = materialize(build_on_meta(cfg.model, args), torch.device("cpu"), cfg.training.seed)
     path = checkpointer.save(0, model, None, {"seed_checkpoint": True}, cfg.to_json())
     log.info("wrote seed checkpoint %s", path)
