@@ -495,5 +495,14 @@ def test_from_json_file_is_strict(tmp_path):
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").rglob("*.toml")),
                          ids=lambda p: p.relative_to(Path(__file__).parents[1] / "configs").as_posix())
 def test_every_shipped_config_resolves(path):
+    if path.parent.name == "sweeps":  # a sweep file: every point's config
+        from maester.jobs.sweep import expand
+
+        spec, points = expand(path)
+        assert points
+        for point in points:
+            cfg = load_config(path.parent / spec["base"], point["overrides"], environ={})
+            assert Config.model_validate_json(cfg.to_json()) == cfg
+        return
     cfg = load_config(path, environ={})
     assert Config.model_validate_json(cfg.to_json()) == cfg  # and round-trips

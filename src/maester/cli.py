@@ -43,9 +43,26 @@ def _parser() -> argparse.ArgumentParser:
     for action, text in (("status", "a table: job, SLURM state, last step, last loss"),
                          ("cancel", "scancel the points still queued or running"),
                          ("retry", "submit again the points that failed or were cancelled"),
+                         ("run", "train the points not yet completed here, one after another, without SLURM"),
                          ("report", "write report.csv and report.png in the sweep directory")):
         q = ssub.add_parser(action, help=text)
         q.add_argument("dir", help="the sweep directory (<dump_dir>/<sweep name>)")
+    q.add_argument("--transfer", action="store_true",
+                   help="also transfer.png: final loss against LR, a line per width (μP LR transfer)")
+    q.add_argument("--lr-key", default="optimizer.lr", help="the LR parameter for --transfer (default optimizer.lr)")
+    q.add_argument("--width-key", default="model.width",
+                   help="the width parameter for --transfer (default model.width)")
+
+    p = sub.add_parser("mup", help="μP tools: the coordinate check")
+    msub = p.add_subparsers(dest="mup_command", required=True, metavar="ACTION")
+    q = msub.add_parser("coord-check", epilog=OVERRIDES_HELP,
+                        help="train the config's model at several widths a few steps on one batch and plot the "
+                             "mean |activation| of embedding, attention, MLP and logits against width")
+    q.add_argument("config", help="a config file (its model, optimizer, mup and data sections are used)")
+    q.add_argument("--widths", required=True, help="comma-separated model widths, e.g. 64,128,256,512,1024")
+    q.add_argument("--steps", type=int, default=3, help="training steps per width (default 3)")
+    q.add_argument("--seeds", type=int, default=1, help="seeds per width, averaged (default 1)")
+    q.add_argument("--out", help="output directory (default <job dir>/coord-check-mup or -sp)")
 
     p = sub.add_parser("launch", help="run a job directory here under torchrun, logging as a SLURM job would")
     p.add_argument("job", help="a job directory")
@@ -225,7 +242,7 @@ def _record_args(p) -> None:
                    help="skip invalid records (counted by reason in the summary) instead of stopping at the first")
 
 
-TAKES_OVERRIDES = {"train", "seed-checkpoint", "submit", "config", "sweep", "preflight"}
+TAKES_OVERRIDES = {"train", "seed-checkpoint", "submit", "config", "sweep", "preflight", "mup"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,6 +295,26 @@ def _train(args) -> None:
     if rank == 0:
         print(f"trained to step {result.step}; job directory {job_dir}"
               + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""))
+
+
+def _mup(args) -> None:
+    from pathlib import Path
+
+    from maester.config import load_config
+    from maester.tools.coord_check import run
+    from maester.train.trainer import setup_logging
+
+    setup_logging()
+    try:
+        widths = [int(w) for w in args.widths.split(",")]
+    except ValueError:
+        raise ValueError(f"--widths {args.widths!r}: give comma-separated integers, e.g. 64,128,256") from None
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out) if args.out else cfg.job_dir / ("coord-check-mup" if cfg.mup.enabled else "coord-check-sp")
+    csv_path, png_path, spread = run(cfg, widths, args.steps, args.seeds, out)
+    print(f"wrote {csv_path} and {png_path}")
+    print(f"largest / smallest mean |activation| across widths {widths[0]}..{widths[-1]} at step {args.steps}: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in spread.items()))
 
 
 def _seed_checkpoint(args) -> None:
@@ -335,9 +372,18 @@ def _sweep(args) -> None:
     elif args.sweep_command == "retry":
         names = sweep.retry(root)
         print(f"resubmitted {' '.join(names)}" if names else "no failed or cancelled points")
+    elif args.sweep_command == "run":
+        names = sweep.run_here(root)
+        print(f"trained {' '.join(names)}" if names else "every point has completed")
     else:
         csv_path, png_path = sweep.report(root)
         print(f"{csv_path}\n{png_path}")
+        if args.transfer:
+            path, best = sweep.transfer_plot(root, sweep.status(root), args.lr_key, args.width_key)
+            print(path)
+            for panel, lrs in best.items():
+                print(f"{panel}: best {args.lr_key} per width: "
+                      + ", ".join(f"{w}: {lr:.3g}" for w, lr in sorted(lrs.items())))
 
 
 def _launch(args) -> None:
@@ -489,4 +535,5 @@ def _data(args) -> None:
 
 COMMANDS = {"train": _train, "seed-checkpoint": _seed_checkpoint, "submit": _submit, "config": _config,
             "preflight": _preflight,
-            "generate": _generate, "launch": _launch, "sweep": _sweep, "convert": _convert, "plot": _plot, "data": _data}
+            "generate": _generate, "launch": _launch, "sweep": _sweep, "mup": _mup, "convert": _convert,
+            "plot": _plot, "data": _data}

@@ -66,3 +66,41 @@ def test_submit_without_sbatch_writes_every_point_and_reports(tmp_path):
     assert png_path.stat().st_size > 10_000
     with pytest.raises(Exception, match="submitted already"):
         submit_sweep(path, [f"--job.dump_dir={tmp_path / 'jobs'}"], no_submit=True)
+
+
+def test_lr_transfer_sweep_runs_here_and_reports_the_best_lr_per_width(tmp_path):
+    """The shipped LR-transfer sweep, cut to 2 widths x 2 LRs of 3 steps: `sweep run` trains every point without
+    SLURM, `status` says COMPLETED, and `report --transfer` plots and names each width's best LR."""
+    from tests.helpers import REPO, run_maester
+
+    sweep_file = tmp_path / "transfer.toml"
+    sweep_file.write_text(f'''name = "transfer"
+base = "{REPO / "configs" / "mup" / "lr-transfer.toml"}"
+[fixed]
+"training.steps" = 3
+"schedule.warmup_steps" = 1
+"data.seq_len" = 32
+[parameters]
+"mup.enabled" = [true]
+"model.width" = [64, 128]
+"optimizer.lr" = [1e-4, 1e-2]
+''')
+    jobs = tmp_path / "jobs"
+    out = run_maester(["sweep", "submit", str(sweep_file), "--no-submit", f"--job.dump_dir={jobs}"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    root = jobs / "transfer"
+    ran = run_maester(["sweep", "run", str(root)], tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "trained p000 p001 p002 p003" in ran.stdout
+    assert {r["state"] for r in status(root)} == {"COMPLETED"}
+    again = run_maester(["sweep", "run", str(root)], tmp_path)
+    assert "every point has completed" in again.stdout
+
+    rep = run_maester(["sweep", "report", str(root), "--transfer"], tmp_path)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    # 3 steps at LR 1e-4 barely move the loss; 1e-2 lowers it at both widths
+    assert "mup.enabled=true: best optimizer.lr per width: 64: 0.01, 128: 0.01" in rep.stdout
+    assert (root / "transfer.png").read_bytes()[:4] == b"\x89PNG"
+
+    bad = run_maester(["sweep", "report", str(root), "--transfer", "--width-key", "model.dim"], tmp_path)
+    assert bad.returncode == 2 and "the sweep has no parameter 'model.dim'" in bad.stderr

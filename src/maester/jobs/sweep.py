@@ -160,7 +160,7 @@ def point_status(root: Path, point: dict) -> dict:
     job_id = jobs[-1]["job_id"] if jobs else None
     state = slurm_state(job_id) if job_id else "NOT SUBMITTED"
     if (job_dir / "COMPLETED").exists():
-        state = "COMPLETED" if state in ("UNKNOWN", "COMPLETED") else state
+        state = "COMPLETED" if state in ("UNKNOWN", "COMPLETED", "NOT SUBMITTED") else state
     metrics = job_dir / "metrics.jsonl"
     records = [r for r in read_metrics(metrics) if r.get("loss") is not None] if metrics.is_file() else []
     return {"job": point["name"], "job_id": job_id, "state": state, "params": point["params"],
@@ -200,6 +200,80 @@ def retry(root: Path) -> list[str]:
             submit_job(Path(root) / r["job"])
             names.append(r["job"])
     return names
+
+
+def run_here(root: Path) -> list[str]:
+    """Train the points that have not completed, one after another in this machine (no SLURM), each with
+    `maester train` in its own process, its output in <point>/logs/local.out|err; returns the names trained."""
+    import sys
+
+    names = []
+    for point in load_sweep(root)["points"]:
+        job_dir = Path(root) / point["name"]
+        if (job_dir / "COMPLETED").exists():
+            continue
+        (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+        print(f"{point['name']}: {' '.join(f'{k}={_format(v)}' for k, v in point['params'].items())}", flush=True)
+        with open(job_dir / "logs" / "local.out", "w") as out, open(job_dir / "logs" / "local.err", "w") as err:
+            code = subprocess.run([sys.executable, "-m", "maester", "train", str(job_dir)], stdout=out,
+                                  stderr=err).returncode
+        if code != 0:
+            raise SubmitError(f"point {point['name']} failed (exit code {code}): see {job_dir}/logs/local.err")
+        names.append(point["name"])
+    return names
+
+
+def transfer_plot(root: Path, rows: list[dict], lr_key: str, width_key: str) -> tuple[Path, dict[str, dict]]:
+    """<root>/transfer.png: final loss against LR (log axis), a line per width, a panel per value of the other
+    parameters (e.g. μP on and off); each line's best LR is marked. With μP the minima line up across widths.
+    Returns the path and {panel: {width: best LR}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(rows[0]["params"]) if rows else []
+    for key in (lr_key, width_key):
+        if key not in keys:
+            raise ValueError(f"--transfer: the sweep has no parameter {key!r} (its parameters: {', '.join(keys)})")
+    others = [k for k in keys if k not in (lr_key, width_key)]
+    panels: dict[tuple, list[dict]] = {}
+    for r in rows:
+        panels.setdefault(tuple(r["params"][k] for k in others), []).append(r)
+    finite = [r["loss"] for r in rows if r["loss"] is not None and math.isfinite(r["loss"])]
+    if not finite:
+        raise ValueError(f"--transfer: no point of {root} has logged a finite loss yet")
+    ceiling = min(finite) + 1.5 * (sorted(finite)[len(finite) // 2] - min(finite)) + 0.5  # diverged runs: clipped
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), dpi=120, sharey=True, squeeze=False)
+    widths = sorted({r["params"][width_key] for r in rows})
+    colors = plt.cm.viridis([i / max(1, len(widths) - 1) for i in range(len(widths))])
+    best_lrs: dict[str, dict] = {}
+    for ax, (values, panel) in zip(axes[0], sorted(panels.items(), key=lambda kv: str(kv[0]))):
+        for width, color in zip(widths, colors):
+            points = sorted((r["params"][lr_key], r["loss"]) for r in panel
+                            if r["params"][width_key] == width and r["loss"] is not None)
+            if not points:
+                continue
+            xs = [x for x, _ in points]
+            ys = [y if math.isfinite(y) else ceiling for _, y in points]
+            ys = [min(y, ceiling) for y in ys]
+            ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"{width_key.split('.')[-1]} {width}")
+            best = min(range(len(ys)), key=ys.__getitem__)
+            ax.plot([xs[best]], [ys[best]], marker="*", ms=11, color=color, markeredgecolor="black")
+            title = ", ".join(f"{k}={_format(v)}" for k, v in zip(others, values)) or "all points"
+            best_lrs.setdefault(title, {})[width] = xs[best]
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(lr_key)
+        ax.set_title(", ".join(f"{k}={_format(v)}" for k, v in zip(others, values)) or "all points")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("final training loss")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"sweep {load_sweep(root)['name']}: LR transfer across widths (star: best LR of each width)")
+    fig.tight_layout()
+    path = Path(root) / "transfer.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path, best_lrs
 
 
 def report(root: Path) -> tuple[Path, Path]:
