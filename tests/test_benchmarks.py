@@ -37,3 +37,12 @@ def test_generate_smoke(tmp_path):
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[1].strip() for r in rows[1:]] == ["llama demo", "gemma3 (demo width)"]
     assert all(float(r[5].strip().rstrip("x")) > 1 for r in rows[1:])  # the cache is faster
+
+
+def test_optimizer_step_smoke():
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "optimizer_step.py"), "--smoke"],
+                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[1].strip() for r in rows[1:]][0] == "adamw (baseline)" and len(rows) == 5
+    assert rows[1][3].strip() == "1.00x" and all(float(r[2]) > 0 for r in rows[1:])
