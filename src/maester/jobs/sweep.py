@@ -249,22 +249,21 @@ def transfer_plot(root: Path, rows: list[dict], lr_key: str, width_key: str) -> 
     colors = plt.cm.viridis([i / max(1, len(widths) - 1) for i in range(len(widths))])
     best_lrs: dict[str, dict] = {}
     for ax, (values, panel) in zip(axes[0], sorted(panels.items(), key=lambda kv: str(kv[0]))):
+        title = ", ".join(f"{k}={_format(v)}" for k, v in zip(others, values)) or "all points"
         for width, color in zip(widths, colors):
             points = sorted((r["params"][lr_key], r["loss"]) for r in panel
                             if r["params"][width_key] == width and r["loss"] is not None)
             if not points:
                 continue
             xs = [x for x, _ in points]
-            ys = [y if math.isfinite(y) else ceiling for _, y in points]
-            ys = [min(y, ceiling) for y in ys]
+            ys = [min(y, ceiling) if math.isfinite(y) else ceiling for _, y in points]
             ax.plot(xs, ys, marker="o", ms=3, color=color, label=f"{width_key.split('.')[-1]} {width}")
             best = min(range(len(ys)), key=ys.__getitem__)
             ax.plot([xs[best]], [ys[best]], marker="*", ms=11, color=color, markeredgecolor="black")
-            title = ", ".join(f"{k}={_format(v)}" for k, v in zip(others, values)) or "all points"
             best_lrs.setdefault(title, {})[width] = xs[best]
         ax.set_xscale("log", base=2)
         ax.set_xlabel(lr_key)
-        ax.set_title(", ".join(f"{k}={_format(v)}" for k, v in zip(others, values)) or "all points")
+        ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("final training loss")
     axes[0][-1].legend(fontsize=7)
