@@ -237,6 +237,9 @@ class DataConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     sources: list[DataSourceConfig] = Field(
         default_factory=lambda: [DataSourceConfig(path="builtin:pydoc")], min_length=1)
+    validation: list[DataSourceConfig] = Field(default_factory=list)
+    """Held-out sources that are never trained on, evaluated whole every `logging.eval_interval` steps and logged
+    as `val/<name>/loss` and `val/<name>/perplexity` (pretraining; in SFT, use `validation_fraction`)."""
     seq_len: int = Field(512, gt=0)
     add_bos: bool = False
     """Put BOS before every document (EOS always follows one). Raw text only."""
@@ -260,6 +263,16 @@ class DataConfig(Section):
             if bad:
                 raise ValueError(f"data.mode = 'sft' reads conversations (JSONL or Parquet) or rows packed by "
                                  f"`maester data pack`, not pre-tokenized formats: {', '.join(bad)}")
+        if self.validation and self.mode == "sft":
+            raise ValueError("data.validation: separate validation sources are for pretraining; in SFT, hold out "
+                             "part of a source with data.sources.N.validation_fraction")
+        for i, s in enumerate(self.validation):
+            if s.validation_fraction:
+                raise ValueError(f"data.validation.{i}.validation_fraction: a validation source is held out whole; "
+                                 f"leave it at 0")
+        names = [s.display_name() for s in self.validation]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.validation: names {names} repeat; give each source its own `name`")
         kinds = {s.format in ("indexed", "llmc", "nanogpt") for s in self.sources if s.format != "auto"}
         if len(kinds) > 1:
             raise ValueError("data.sources mixes raw text and pre-tokenized formats; use one kind per job")
@@ -281,6 +294,21 @@ class TrainingConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     deterministic: bool = False
     """Use deterministic kernels (`torch.use_deterministic_algorithms`); CPU runs are bitwise repeatable anyway."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is not finite: `stop` ends the run with an error naming the step and
+    saves no checkpoint after it; `skip` drops that step's update, counts it (`skipped_steps`) and goes on. Found
+    on the device, read on the host at logging steps and before checkpoints (no sync per step)."""
+    max_skipped_steps: int = Field(100, ge=0)
+    """With `nonfinite = "skip"`: stop as `stop` does once more steps than this were skipped."""
+    detect_anomaly: bool = False
+    """Debugging: `torch.autograd.detect_anomaly` names the backward op that made the first NaN (slow)."""
+    gc_interval: int = Field(50, ge=0)
+    """Python's garbage collector is off in the training loop and runs every this many steps on every rank at
+    once; 0: leave it on, as Python has it."""
+    init_timeout_seconds: float = Field(600, gt=0)
+    """Collective timeout until the first step is done (building, loading, compiling)."""
+    train_timeout_seconds: float = Field(300, gt=0)
+    """Collective timeout after the first step: a hung rank ends the job within this."""
 
 
 class ParamGroupRule(Section):
@@ -522,11 +550,67 @@ class CheckpointConfig(Section):
         return self
 
 
+class TensorBoardConfig(Section):
+    enabled: bool = False
+    """Write the metrics as TensorBoard event files under `<job dir>/tensorboard` (needs the `tensorboard` extra),
+    one scalar per record key (`loss`, `lr/<group>`, ...). A restart drops the steps the previous attempt logged after
+    its last checkpoint, so each step appears once."""
+
+
+class WandbConfig(Section):
+    enabled: bool = False
+    """Log the metrics to Weights & Biases (needs the `wandb` extra); the run id is kept in
+    `<job dir>/wandb/run-id`, so a restart or requeue continues the same run."""
+    project: str = "maester"
+    entity: str | None = None
+    name: str | None = None
+    """The run's display name; default: `job.name`."""
+    group: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline"] = "online"
+    """`offline`: write the run under `<job dir>/wandb` only (no network), for `wandb sync` later."""
+    init_timeout: float = Field(90.0, gt=0)
+    """Seconds an online run waits for the W&B server to start or resume the run; then the job fails with an error."""
+
+
 class LoggingConfig(Section):
     interval: int = Field(10, gt=0)
     eval_interval: int = Field(0, ge=0)
     """Every this many steps (and at the last), the loss on the sources' held-out `validation_fraction` is
-    logged as `val_loss`; 0: never."""
+    logged as `val_loss` (and `val_perplexity`); 0: never."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    per_rank_files: bool = False
+    """Every rank writes its own full log to `logs/rank-<R>.log`; otherwise only rank 0 logs (to the console and
+    `logs/train.log`) and the other ranks report warnings and errors."""
+
+
+class ProfilingConfig(Section):
+    """torch profiler traces and CUDA memory snapshots, written under `<job dir>/profiles`."""
+
+    enabled: bool = False
+    """Trace the steps `start_step` .. `start_step + steps - 1` (after `warmup_steps` untraced warm-up steps) on
+    every rank: `profiles/step-<N>/rank-<R>.trace.json.gz`, for Perfetto or TensorBoard. A run resumed after these
+    steps takes no trace; one resumed inside them traces the rest; a run that ends inside them writes what it has."""
+    start_step: int = Field(5, ge=1)
+    """The first traced step (global step number, 1-based)."""
+    steps: int = Field(3, ge=1)
+    """How many steps to trace."""
+    warmup_steps: int = Field(1, ge=0)
+    """Steps run under the profiler just before `start_step` but not recorded, so that its start-up cost stays out
+    of the trace; fewer when `start_step` is near the start of the run."""
+    record_shapes: bool = False
+    """Record the input shapes of every op (`torch.profiler.profile(record_shapes=...)`)."""
+    profile_memory: bool = False
+    """Record tensor allocations and frees in the trace (`profile_memory=...`)."""
+    with_stack: bool = False
+    """Record the Python source location of every op (`with_stack=...`); larger traces."""
+    memory_snapshot: bool = False
+    """CUDA only: record allocator history from the start and dump it as `profiles/memory/rank-<R>-step-<N>.pickle`
+    after the traced window (`enabled` is not needed) and as `rank-<R>-oom-step-<N>.pickle` when step N runs out
+    of memory (view at pytorch.org/memory_viz)."""
+    memory_snapshot_max_entries: int = Field(100_000, gt=0)
+    """How many allocator events the history keeps (the latest); each takes a few KB in the snapshot."""
 
 
 class ContainerConfig(Section):
@@ -641,6 +725,7 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
@@ -661,9 +746,12 @@ class Config(Section):
         if self.schedule.warmup_steps > t.steps:
             raise ValueError(f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
                              f"training.steps ({t.steps})")
-        if self.logging.eval_interval and not any(s.validation_fraction for s in self.data.sources):
+        held_out = any(s.validation_fraction for s in self.data.sources) or self.data.validation
+        if self.logging.eval_interval and not held_out:
             raise ValueError("logging.eval_interval is set, but no data source holds out a validation split "
-                             "(set validation_fraction on a source)")
+                             "(set validation_fraction on a source, or add data.validation sources)")
+        if self.data.validation and not self.logging.eval_interval:
+            raise ValueError("data.validation names sources to evaluate, but logging.eval_interval is 0 (never)")
         return self
 
     @property

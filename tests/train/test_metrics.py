@@ -136,6 +136,16 @@ def test_read_metrics_keeps_the_last_record_per_step_and_tolerates_a_partial_las
     assert [r["step"] for r in read_metrics(path)] == [1, 2]
 
 
+def test_read_metrics_merges_eval_lines_and_drops_those_a_restart_logged_over(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [record(1, 5.0), record(2, 4.0), {"step": 2, "val_loss": 4.2},  # killed after step 2's eval
+             record(2, 4.5), record(3, 3.5), {"step": 3, "val_loss": 3.7}]  # resumed from step 1, eval at 3
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    got = {r["step"]: r for r in read_metrics(path)}
+    assert "val_loss" not in got[2] and got[2]["loss"] == 4.5
+    assert got[3]["val_loss"] == 3.7 and got[3]["loss"] == 3.5
+
+
 class ListHandler(logging.Handler):
     """Collects messages on the "maester" logger itself (it may not propagate once the trainer set it up)."""
 

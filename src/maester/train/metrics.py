@@ -1,4 +1,5 @@
-"""Throughput, model FLOPs utilisation (MFU) and the sinks metrics go to (console and metrics.jsonl).
+"""Throughput, model FLOPs utilisation (MFU) and the writer of the metrics: console, metrics.jsonl and the sinks
+(TensorBoard, W&B) of `maester.train.sinks`.
 
 MFU follows PaLM (Chowdhery et al. 2022, appendix B):
 
@@ -16,10 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from maester.train.sinks import Sink, open_sinks, scalars
 
 log = logging.getLogger("maester")
 
@@ -90,17 +95,20 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to metrics.jsonl and prints a console line."""
+    """Appends one JSON object per logged step to metrics.jsonl, prints a console line and passes the record's
+    numbers on to the sinks."""
 
-    def __init__(self, path: Path, progress=None):
+    def __init__(self, path: Path, progress=None, sinks: Sequence[Sink] = ()):
         self.path = path
         self.progress = progress
+        self.sinks = list(sinks)
         path.parent.mkdir(parents=True, exist_ok=True)
         _drop_partial_last_line(path)
         self._file = open(path, "a", buffering=1)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(_finite_or_none(record)) + "\n")
+        self._to_sinks(record)
         line = format_console_line(record)
         if self.progress is not None and not self.progress.disable:
             self.progress.write(line)
@@ -109,14 +117,38 @@ class MetricsWriter:
 
     def write_eval(self, record: dict) -> None:
         self._file.write(json.dumps(_finite_or_none(record)) + "\n")
+        self._to_sinks(record)
         line = f"step {record['step']} | val_loss {record['val_loss']:.4f}"
+        if record.get("val_perplexity") is not None:
+            line += f" | val_perplexity {record['val_perplexity']:.2f}"
         if self.progress is not None and not self.progress.disable:
             self.progress.write(line)
         else:
             log.info(line)
 
+    def _to_sinks(self, record: dict) -> None:
+        values = scalars(record)
+        for sink in self.sinks:
+            sink.log(record["step"], values)
+
     def close(self) -> None:
-        self._file.close()
+        """Closes the file and every sink, even when one of them fails."""
+        with ExitStack() as stack:
+            stack.callback(self._file.close)
+            for sink in self.sinks:
+                stack.callback(sink.close)
+
+
+def open_metrics(cfg, job_dir: Path, progress=None, resume_step: int = 0) -> MetricsWriter:
+    """Rank 0's metrics writer for a run of `cfg` in `job_dir` that starts after step `resume_step`, with the sinks
+    `cfg.logging` enables."""
+    sinks = open_sinks(cfg, job_dir, resume_step)
+    try:
+        return MetricsWriter(job_dir / "metrics.jsonl", progress, sinks)
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
 
 
 def _drop_partial_last_line(path: Path) -> None:
@@ -140,6 +172,8 @@ def format_console_line(r: dict) -> str:
         parts.append(f"mfu {100 * r['mfu']:.1f}%")
     if r.get("padding_efficiency", 1.0) < 1.0:
         parts.append(f"pad_eff {100 * r['padding_efficiency']:.1f}%")
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']}")
     parts.append(f"data {r['data_loading_seconds']:.3f}s")
     parts.append(f"mem {r['peak_memory_gib']:.2f}GiB")
     return " | ".join(parts)
@@ -158,5 +192,8 @@ def read_metrics(path: Path) -> list[dict]:
             if lineno == len(lines):  # a running job may be writing its last line right now
                 break
             raise ValueError(f"{path}:{lineno}: not valid JSON") from None
-        by_step[record["step"]] = {**by_step.get(record["step"], {}), **record}  # train and eval lines merge
+        # A train line starts its step afresh (a restart logs the steps after its checkpoint again, dropping what
+        # the earlier attempt logged there); the eval line that follows it merges in.
+        step = record["step"]
+        by_step[step] = record if "loss" in record else {**by_step.get(step, {}), **record}
     return [by_step[s] for s in sorted(by_step)]
