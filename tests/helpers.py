@@ -40,7 +40,7 @@ def tiny_overrides(corpus: Path, dump_dir: Path, name: str = "tiny", **extra) ->
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAESTER_") and k != "_MAESTER_FAULT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAESTER_", "_MAESTER_FAULT", "_MAESTER_HANG"))}
     env.update(extra)
     return env
 

@@ -120,6 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("job", help="a job directory")
     p.add_argument("--out", help="output path (default: <job>/loss.png)")
 
+    p = sub.add_parser("report", help="draw a job's dashboard (loss, validation loss, LR, grad norm, tokens/s, MFU) "
+                                      "as PNG and print a summary of where it stands; works while it trains")
+    p.add_argument("job", help="a job directory")
+    p.add_argument("--out", help="the PNG (default: <job>/report.png); the summary is written beside it as .txt")
+
     p = sub.add_parser("preflight", epilog=OVERRIDES_HELP,
                        help="check all-reduce, all-gather and reduce-scatter results and bandwidth on the job's "
                             "processes (run it under torchrun or srun as the job runs); writes <job>/preflight.json")
@@ -255,9 +260,48 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         COMMANDS[args.command](args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError) as e:
         print(f"maester {args.command}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        print(f"maester {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        code, advice = _training_failure(e)
+        if code is None:
+            raise
+        print(f"maester {args.command}: error: {e}\n{advice}", file=sys.stderr)
+        sys.exit(code)
+
+
+EXIT_BAD_INPUT = 2
+"""A bad config, file or argument; `maester.train.preemption.REQUEUE_EXIT_CODE` (3) is a stop for a requeue."""
+EXIT_NONFINITE, EXIT_OUT_OF_MEMORY, EXIT_COLLECTIVE = 4, 5, 6
+GLOO_COLLECTIVE_FAILURES = ("gloo/transport", "Connection closed by peer", "Connection reset by peer")
+
+
+def _training_failure(e: Exception) -> tuple[int | None, str]:
+    """The exit code and advice for a failure a run's settings can cause; (None, "") for anything else (a bug:
+    its traceback is shown)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None, ""
+    from maester.train.nonfinite import NonFiniteError
+
+    if isinstance(e, NonFiniteError):
+        return EXIT_NONFINITE, ("lower optimizer.lr, raise schedule.warmup_steps or set training.max_grad_norm, "
+                                "then resume from the latest checkpoint; training.detect_anomaly = true names the "
+                                "op that made the first NaN, and training.nonfinite = 'skip' steps over rare ones")
+    if isinstance(e, torch.OutOfMemoryError):
+        return EXIT_OUT_OF_MEMORY, ("out of device memory: lower training.micro_batch_size, set "
+                                    "parallel.activation_checkpointing, or shard more (parallel.dp_shard); "
+                                    "profiling.memory_snapshot = true records where the memory went")
+    if isinstance(e, torch.distributed.DistError) or (  # gloo raises plain RuntimeErrors
+            isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_COLLECTIVE_FAILURES)):
+        return EXIT_COLLECTIVE, ("a collective failed or timed out: another rank died or hung (its log says why; "
+                                 "logging.per_rank_files = true keeps one per rank), or the network failed; "
+                                 "training.train_timeout_seconds bounds the wait")
+    return None, ""
 
 
 def _train(args) -> None:
@@ -455,6 +499,16 @@ def _plot(args) -> None:
     print(plot_loss(Path(args.job), Path(args.out) if args.out else None))
 
 
+def _report(args) -> None:
+    from pathlib import Path
+
+    from maester.tools.report import write_report
+
+    report = write_report(Path(args.job), Path(args.out) if args.out else None)
+    print(report.summary)
+    print(f"wrote {report.png} and {report.text}")
+
+
 def _preflight(args) -> None:
     import json
 
@@ -536,4 +590,4 @@ def _data(args) -> None:
 COMMANDS = {"train": _train, "seed-checkpoint": _seed_checkpoint, "submit": _submit, "config": _config,
             "preflight": _preflight,
             "generate": _generate, "launch": _launch, "sweep": _sweep, "mup": _mup, "convert": _convert,
-            "plot": _plot, "data": _data}
+            "plot": _plot, "report": _report, "data": _data}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -161,7 +163,39 @@ def test_held_out_split_is_evaluated_and_logged(corpus, tmp_path):
         total = sum(torch.nn.functional.cross_entropy(trainer.model(b.input_ids, b.position_ids).flatten(0, 1),
                                                       b.labels.flatten(), reduction="sum") for b in batches)
     n = sum(b.labels.numel() for b in batches)
-    assert trainer.evaluate() == pytest.approx((total / n).item(), rel=1e-5)
+    got = trainer.evaluate()
+    assert got["val_loss"] == pytest.approx((total / n).item(), rel=1e-5)
+    assert got["val_perplexity"] == pytest.approx(math.exp(got["val_loss"]), rel=1e-9)
+    assert records[12]["val_perplexity"] == pytest.approx(math.exp(records[12]["val_loss"]), rel=1e-9)
+
+
+def test_validation_sources_are_evaluated_whole_and_never_trained_on(corpus, tmp_path):
+    from maester.data.loader import validation_source_batches
+    from tests.helpers import write_corpus
+
+    held = write_corpus(tmp_path / "held" / "other.parquet", n_docs=12, seed=7)
+    more = write_corpus(tmp_path / "held" / "more.parquet", n_docs=8, seed=8)
+    sources = f'[{{"path":"{held}","name":"other"}},{{"path":"{more}","name":"more"}}]'
+    trainer = make_trainer(corpus, tmp_path, training__steps=4, logging__eval_interval=2, data__validation=sources,
+                           checkpoint__save_final="false", checkpoint__interval=0)
+    trainer.train()
+    records = {r["step"]: r for r in read_metrics(trainer.job_dir / "metrics.jsonl")}
+    assert sorted(k for k in records[4] if k.startswith("val")) == [
+        "val/more/loss", "val/more/perplexity", "val/other/loss", "val/other/perplexity", "val_loss",
+        "val_perplexity"]
+    assert "val_loss" in records[2] and "val_loss" not in records[3]
+    # every window of the source, in order: the first batch starts with the source's first document
+    cfg = trainer.cfg
+    batches = validation_source_batches(cfg.data.validation[0], cfg.data, trainer.tokenizer, 2)
+    first = pq.read_table(held).column("text")[0].as_py()
+    assert bytes(batches[0].input_ids[0].tolist()) == first.encode()[:cfg.data.seq_len]
+    with torch.no_grad():
+        total = sum(torch.nn.functional.cross_entropy(trainer.model(b.input_ids, b.position_ids).flatten(0, 1),
+                                                      b.labels.flatten(), reduction="sum") for b in batches)
+    n = sum(b.labels.numel() for b in batches)
+    assert trainer.evaluate()["val/other/loss"] == pytest.approx((total / n).item(), rel=1e-5)
+    with pytest.raises(ValueError, match="logging.eval_interval is 0"):
+        make_trainer(corpus, tmp_path, data__validation=sources)
 
 
 def test_eval_without_a_held_out_split_is_an_error(corpus, tmp_path):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from maester.config import DataConfig, TokenizerConfig
+from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
 from maester.data.packing import IGNORE_INDEX  # noqa: F401 (re-exported: the label that takes no loss)
 
 PRETOKENIZED = ("indexed", "llmc", "nanogpt")
@@ -100,3 +100,41 @@ def build_loader(cfg: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, 
     from maester.data.text_stream import TextLoader
 
     return TextLoader(cfg, tokenizer_cfg, tokenizer, group=group, pin_memory=pin_memory, **kw)
+
+
+def validation_source_batches(source: DataSourceConfig, data: DataConfig, tokenizer, micro_batch: int,
+                              dp_rank: int = 0, dp_size: int = 1) -> list[Batch]:
+    """This rank's equal share of every window of the held-out source `source` (one of `data.validation`), cut
+    like training data: raw text joined into one stream (BOS if `data.add_bos`, EOS after each document),
+    pre-tokenized data as its windows."""
+    import numpy as np
+
+    seq = data.seq_len
+    from maester.data.token_stream import TokenSource, source_format
+
+    if source_format(source) in PRETOKENIZED:
+        held = TokenSource(source, seq)
+        windows = [held.window(w) for w in range(held.num_windows)]
+    else:
+        from maester.data.text_files import InvalidDocument, TextSource
+
+        prefix, eos = [tokenizer.bos_id] if data.add_bos else [], [tokenizer.eos_id]
+        texts = []
+        for doc in TextSource(source, data.chunk_documents).documents():
+            if isinstance(doc, InvalidDocument):
+                if not data.skip_invalid:
+                    raise doc
+                continue
+            texts.append(doc)
+        stream = np.array([p for ids in tokenizer.encode_batch(texts) for p in prefix + ids + eos], np.int64)
+        n = (len(stream) - 1) // seq
+        windows = [(stream[w * seq:w * seq + seq + 1], None) for w in range(n)]
+    per_rank = len(windows) // dp_size
+    if per_rank == 0:
+        raise ValueError(f"data.validation source {source.path!r} holds {len(windows)} window(s) of data.seq_len + 1 "
+                         f"= {seq + 1} tokens: too few for {dp_size} data-parallel rank(s)")
+    mine = windows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    rows = torch.from_numpy(np.stack([t for t, _ in mine]))
+    docs = torch.from_numpy(np.stack([d for _, d in mine])) if mine[0][1] is not None else None
+    return [make_batch(rows[i:i + micro_batch], data.document_masking, tokenizer.eos_id,
+                       None if docs is None else docs[i:i + micro_batch]) for i in range(0, len(rows), micro_batch)]

@@ -96,10 +96,11 @@ class ParallelDims:
         return self.mesh["dp"].get_local_rank()
 
 
-def init_distributed(device_choice: str = "auto") -> tuple[int, int, torch.device]:
+def init_distributed(device_choice: str = "auto", timeout_s: float | None = None) -> tuple[int, int, torch.device]:
     """Join the process group when launched by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
 
-    `device_choice` is `training.device`. Returns the rank, the world size and this rank's device.
+    `device_choice` is `training.device`; `timeout_s` the collective timeout (None: torch's default). Returns the
+    rank, the world size and this rank's device.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_gpu = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
@@ -112,5 +113,20 @@ def init_distributed(device_choice: str = "auto") -> tuple[int, int, torch.devic
     if world == 1 and not dist.is_initialized():
         return 0, 1, device
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_gpu else "gloo")
+        from datetime import timedelta
+
+        dist.init_process_group("nccl" if use_gpu else "gloo",
+                                timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def set_collective_timeout(seconds: float, mesh=None) -> None:
+    """Give the default process group and every group of `mesh` a new collective timeout."""
+    from datetime import timedelta
+
+    groups = [dist.group.WORLD] + (list(mesh.get_all_groups()) if mesh is not None else [])
+    for group in groups:
+        if hasattr(group, "set_timeout"):
+            group.set_timeout(timedelta(seconds=seconds))
+        else:  # torch releases before ProcessGroup.set_timeout
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -1,17 +1,37 @@
-"""Fault injection for tests: `_MAESTER_FAULT=<point>:<step>` kills the process with SIGKILL at that point.
+"""Fault injection for tests: `_MAESTER_FAULT=<point>:<step>[@<rank>][,...]` makes the fault happen at that step
+(on that rank only, with `@rank`).
 
-Points: `after_step` (after the optimizer step), `during_save` (checkpoint files partly written).
+Points: `after_step` (SIGKILL after the optimizer step), `during_save` (SIGKILL with the checkpoint files partly
+written), `nan_loss` (the step's loss becomes NaN before backward), `hang` (sleep `_MAESTER_HANG_SECONDS`, default
+600, after the step: a rank that stops answering collectives).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "_MAESTER_FAULT"
 
 
-def maybe_crash(point: str, step: int) -> None:
+def fault_at(point: str, step: int) -> bool:
     spec = os.environ.get(ENV)
-    if spec and spec == f"{point}:{step}":
+    if not spec:
+        return False
+    rank = os.environ.get("RANK", "0")
+    for item in spec.split(","):
+        where, _, only_rank = item.partition("@")
+        if where == f"{point}:{step}" and (not only_rank or only_rank == rank):
+            return True
+    return False
+
+
+def maybe_crash(point: str, step: int) -> None:
+    if fault_at(point, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_hang(step: int) -> None:
+    if fault_at("hang", step):
+        time.sleep(float(os.environ.get("_MAESTER_HANG_SECONDS", "600")))

@@ -133,9 +133,10 @@ def _accepts(cls: type, keyword: str) -> bool:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device,
-                    log_groups: bool = False) -> torch.optim.Optimizer:
+                    log_groups: bool = False, prefer_fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer of `cfg` over `model`'s trainable parameters, its groups resolved by the rules (and μP, where
-    `model.args` enables it). Each group's starting `lr` is its base LR, which the schedule multiplies."""
+    `model.args` enables it). Each group's starting `lr` is its base LR, which the schedule multiplies.
+    `prefer_fused`: take the fused kernel on CPU too where `optimizer.implementation` is `auto`."""
     cls = optimizer_class(cfg.name)
     args = getattr(model, "args", None)
     width_mult = getattr(args, "width_mult", 1.0) if args is not None else 1.0
@@ -169,7 +170,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
         impl = cfg.implementation
         params = inspect.signature(cls.__init__).parameters
         if impl == "auto":
-            impl = "fused" if device.type == "cuda" and "fused" in params else "foreach"
+            # Fused kernels where the device has them; on CPU only to skip non-finite steps on the device.
+            impl = "fused" if (device.type == "cuda" or prefer_fused) and "fused" in params else "foreach"
             impl = impl if impl in params else "for-loop"
         if impl in ("fused", "foreach"):
             if impl not in params:

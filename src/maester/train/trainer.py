@@ -4,6 +4,7 @@ stop early and cleanly when asked to (`maester.train.preemption`)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -15,21 +16,43 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 import torch.distributed as dist
 
 from maester.config import HF_PREFIX, LOAD_MODES, Config
 from maester.data.loader import IGNORE_INDEX, build_loader
 from maester.data.tokenizers import build_tokenizer
-from maester.models.build import build_on_meta, count_parameters, materialize, resolve_args
-from maester.parallel.dims import ParallelDims, init_distributed
+from maester.models.build import (
+    build_on_meta,
+    count_parameters,
+    materialize,
+    resolve_args,
+)
+from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout
 from maester.parallel.parallelize import parallelize, uses_loss_parallel
-from maester.train.checkpoint import Checkpointer, load_hf_weights, read_trainer_state, resolve_checkpoint
-from maester.train.faults import maybe_crash
+from maester.progress import progress_bar
+from maester.train.checkpoint import (
+    Checkpointer,
+    load_hf_weights,
+    read_trainer_state,
+    resolve_checkpoint,
+)
+from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.loss import cross_entropy_sum
-from maester.train.metrics import MetricsWriter, device_peak_flops, model_flops_per_token, peak_memory_gib
+from maester.train.metrics import (
+    device_peak_flops,
+    model_flops_per_token,
+    open_metrics,
+    peak_memory_gib,
+)
+from maester.train.nonfinite import NonFiniteError, NonFiniteGuard
 from maester.train.optim import build_optimizer
-from maester.train.preemption import REQUEUE_FILE, StopRequests, clear_markers_of_earlier_runs, mark_completed
+from maester.train.preemption import (
+    REQUEUE_FILE,
+    StopRequests,
+    clear_markers_of_earlier_runs,
+    mark_completed,
+)
+from maester.train.profiling import Profiler
 from maester.train.schedule import lr_multiplier
 
 log = logging.getLogger("maester")
@@ -77,21 +100,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup_logging(job_dir: Path | None = None, rank: int = 0) -> None:
-    """Console (and logs/train.log) on rank 0; other ranks report warnings and errors only."""
+def setup_logging(job_dir: Path | None = None, rank: int = 0, per_rank_file: bool = False) -> None:
+    """Console (and logs/train.log) on rank 0; other ranks report warnings and errors only. `per_rank_file`: every
+    rank also writes its whole log to logs/rank-<R>.log."""
     root = logging.getLogger("maester")
-    if rank != 0:
-        root.setLevel(logging.WARNING)
-        job_dir = None
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         root.addHandler(handler)
-        root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         root.propagate = False
-    if job_dir is not None:
-        (job_dir / "logs").mkdir(parents=True, exist_ok=True)
-        path = (job_dir / "logs" / "train.log").resolve()
+    root.setLevel(logging.INFO if rank == 0 or (per_rank_file and job_dir is not None) else logging.WARNING)
+    if job_dir is None:
+        return
+    names = (["train.log"] if rank == 0 else []) + ([f"rank-{rank}.log"] if per_rank_file else [])
+    (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for name in names:
+        path = (job_dir / "logs" / name).resolve()
         if not any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
             fh = logging.FileHandler(path)
             fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -104,7 +129,10 @@ def copy_single_process_init(model: torch.nn.Module, cfg: Config, args) -> None:
     DTensor random ops on CPU draw the same numbers on every rank, so shards would repeat each other; on CPU
     (small models, tests, debugging) each rank instead builds the whole model and keeps its own shards.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
 
     full = materialize(build_on_meta(cfg.model, args), torch.device("cpu"), cfg.training.seed)
     set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
@@ -128,8 +156,9 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 class Trainer:
     def __init__(self, cfg: Config, job_dir: Path):
         self.cfg, self.job_dir = cfg, Path(job_dir)
-        self.rank, self.world_size, self.device = init_distributed(cfg.training.device)
-        setup_logging(self.job_dir, self.rank)
+        self.rank, self.world_size, self.device = init_distributed(cfg.training.device,
+                                                                   cfg.training.init_timeout_seconds)
+        setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.jobs.preflight import run_preflight
@@ -148,9 +177,12 @@ class Trainer:
         if self.world_size > 1 and self.device.type == "cpu":
             copy_single_process_init(self.model, cfg, args)
         self.loss_parallel = uses_loss_parallel(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True,
+                                         prefer_fused=cfg.training.nonfinite == "skip")
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+        self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
+                                        self.device, self.dp_group)
 
         t = cfg.training
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=t.seed,
@@ -243,11 +275,10 @@ class Trainer:
             return TrainResult(self.step, None, self.checkpointer.latest())
         if self.rank == 0:
             clear_markers_of_earlier_runs(self.job_dir, self.step, total)
-        from tqdm import tqdm
-
-        progress = tqdm(total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=self.rank != 0 or not sys.stderr.isatty())
-        writer = MetricsWriter(self.job_dir / "metrics.jsonl", progress) if self.rank == 0 else None
+        profiler = Profiler(cfg.profiling, self.job_dir, self.rank, self.device)
+        progress = progress_bar("train", total=total, initial=self.step, unit="step",
+                                disable=True if self.rank != 0 else None)
+        writer = open_metrics(cfg, self.job_dir, progress, self.step) if self.rank == 0 else None
         flops_per_token = model_flops_per_token(model, cfg.data.seq_len)
         peak = device_peak_flops(self.device)
         max_norm = cfg.training.max_grad_norm or math.inf
@@ -257,6 +288,11 @@ class Trainer:
         window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
         window_batches, window_steps = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64), 0
         model.train()
+        first_step = self.step + 1
+        gc_interval = cfg.training.gc_interval
+        if gc_interval:  # collected every gc_interval steps on all ranks at once, not whenever a rank's count says
+            gc.disable()
+            gc.collect()
         stops = StopRequests(self.job_dir, self.rank)
         stops.install()  # signal handlers that only set a flag, until training ends
         try:
@@ -273,10 +309,21 @@ class Trainer:
                 for group, base in zip(optimizer.param_groups, self.base_lrs):
                     group["lr"] = base * lr_mult
 
-                loss = self._forward_backward(micro_batches, int(stats[0]))
-                grad_norm = clip_grad_norm(params, max_norm)
-                optimizer.step()
+                try:
+                    loss = self._forward_backward(micro_batches, int(stats[0]))
+                    grad_norm = clip_grad_norm(params, max_norm)
+                    if self.nonfinite.observe(self.step, loss, grad_norm):
+                        optimizer.step()
+                except torch.OutOfMemoryError:
+                    profiler.on_oom(self.step)
+                    raise
                 optimizer.zero_grad(set_to_none=True)
+                profiler.step(self.step)
+                if self.step == first_step and self.world_size > 1:  # building and compiling are behind us
+                    set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.mesh)
+                if gc_interval and self.step % gc_interval == 0:
+                    gc.collect(1)
+                maybe_hang(self.step)
                 step_tokens = sum(b.num_tokens for b in micro_batches) * dp_size
                 window_tokens += step_tokens
                 window_steps += 1
@@ -287,15 +334,18 @@ class Trainer:
                     if self.dp_group is not None:  # each rank holds its share of the step's loss
                         dist.all_reduce(loss, group=self.dp_group)
                     loss_value = loss.item()  # the only host sync of the step, on logging steps only
+                    skipped = self.nonfinite.check()
                     elapsed = time.perf_counter() - window_start
                     tps = window_tokens / elapsed
                     per_device = tps / self.world_size
                     record = {
                         "step": self.step, "loss": loss_value, "lr": cfg.optimizer.lr * lr_mult,
+                        **{f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups if "name" in g},
                         "grad_norm": grad_norm.item(), "tokens_per_second": tps,
                         "mfu": per_device * flops_per_token / peak if peak else None,
                         "data_loading_seconds": window_data_s, "data_loading_share": window_data_s / elapsed,
                         "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
+                        **({"skipped_steps": skipped} if cfg.training.nonfinite == "skip" else {}),
                         **self._batch_metrics(window_batches, window_steps),
                     }
                     for name, counts in self.loader.source_metrics().items():  # collective: every rank calls it
@@ -306,9 +356,9 @@ class Trainer:
                     window_batches, window_steps = torch.zeros_like(window_batches), 0
 
                 if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == total):
-                    val_loss = self.evaluate()
+                    validation = self.evaluate()
                     if writer is not None:
-                        writer.write_eval({"step": self.step, "val_loss": val_loss})
+                        writer.write_eval({"step": self.step, **validation})
 
                 if self._checkpoint_due():
                     last_checkpoint = self._save_checkpoint()
@@ -323,8 +373,14 @@ class Trainer:
                     log.info("stopped on request (%s) after step %d of %d with checkpoint %s; wrote %s",
                              stop_reason, self.step, total, last_checkpoint, self.job_dir / REQUEUE_FILE)
                     break
+        except NonFiniteError as e:
+            latest = self.checkpointer.latest()
+            raise NonFiniteError(f"{e}; latest checkpoint: {latest or 'none'}", e.step) from None
         finally:
+            if gc_interval:
+                gc.enable()
             stops.restore()
+            profiler.close()
             self.loader.close()
             progress.close()
             if writer is not None:
@@ -334,6 +390,7 @@ class Trainer:
         return TrainResult(self.step, loss_value, last_checkpoint or self.checkpointer.latest(), stop_reason)
 
     def _save_checkpoint(self) -> Path:
+        self.nonfinite.check()  # a run that went non-finite under `stop` raises here, before the damage is saved
         path = self.checkpointer.save(
             self.step, self.model, self.optimizer,
             {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
@@ -372,35 +429,66 @@ class Trainer:
         n_labels = n_labels.clamp(min=1)
         scale = self.dims.dp_size if (self.dims.fsdp_enabled or self.dims.ddp_enabled) else 1
         total = torch.zeros((), device=self.device)
+        nan = fault_at("nan_loss", self.step)
+        anomaly = torch.autograd.detect_anomaly(check_nan=True) if self.cfg.training.detect_anomaly else \
+            contextlib.nullcontext()
         for batch in micro_batches:
-            with self._loss_context(), autocast_context(self.cfg, self.device):
+            with self._loss_context(), autocast_context(self.cfg, self.device), anomaly:
                 logits = self.model(batch.input_ids, batch.position_ids, batch.document_ids)
                 loss = cross_entropy_sum(logits, batch.labels) / n_labels
+                if nan:
+                    loss = loss * float("nan")
                 (loss * scale).backward()
             total += full_value(loss.detach())
         return total
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss per label token over the held-out split of all sources (every rank takes the same number
-        of batches, so sharded forwards stay in step)."""
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss per label token and perplexity over all held-out data (`val_loss`, `val_perplexity`), and per
+        `data.validation` source (`val/<name>/loss`, `val/<name>/perplexity`). Every rank takes the same number of
+        batches, so sharded forwards stay in step."""
         if self._validation is None:
-            self._validation = self.loader.validation_batches(self.loader.micro_batch)
-            if not self._validation:  # the same on every rank: each gets an equal share of the windows
-                raise ValueError("logging.eval_interval is set, but the held-out split of the data sources has "
-                                 "too few windows for every data-parallel rank (set validation_fraction on a source)")
+            self._validation = self._validation_sets()
         self.model.eval()
-        totals = torch.zeros(2, device=self.device)
-        for batch in self._validation:
-            batch = batch.to(self.device)
-            with self._loss_context(), autocast_context(self.cfg, self.device):
-                logits = self.model(batch.input_ids, batch.position_ids, batch.document_ids)
-                totals[0] += full_value(cross_entropy_sum(logits, batch.labels).detach())
-            totals[1] += (batch.labels != IGNORE_INDEX).sum()
+        totals = torch.zeros(len(self._validation), 2, device=self.device)
+        for i, batches in enumerate(self._validation.values()):
+            for batch in batches:
+                batch = batch.to(self.device)
+                with self._loss_context(), autocast_context(self.cfg, self.device):
+                    logits = self.model(batch.input_ids, batch.position_ids, batch.document_ids)
+                    totals[i, 0] += full_value(cross_entropy_sum(logits, batch.labels).detach())
+                totals[i, 1] += (batch.labels != IGNORE_INDEX).sum()
         self.model.train()
         if self.dp_group is not None:
             dist.all_reduce(totals, group=self.dp_group)
-        return (totals[0] / totals[1].clamp(min=1)).item()
+        rows = totals.tolist()
+
+        def loss_and_perplexity(loss_sum: float, labels: float) -> tuple[float, float]:
+            loss = loss_sum / max(labels, 1)
+            return loss, math.exp(min(loss, 700.0))
+
+        out = dict(zip(("val_loss", "val_perplexity"), loss_and_perplexity(*map(sum, zip(*rows)))))
+        for name, (loss_sum, labels) in zip(self._validation, rows):
+            if name is not None:
+                out[f"val/{name}/loss"], out[f"val/{name}/perplexity"] = loss_and_perplexity(loss_sum, labels)
+        return out
+
+    def _validation_sets(self) -> dict[str | None, list]:
+        """This rank's batches of the sources' held-out split (key None) and of each `data.validation` source."""
+        from maester.data.loader import validation_source_batches
+
+        data, micro = self.cfg.data, self.loader.micro_batch
+        sets: dict[str | None, list] = {}
+        if any(s.validation_fraction for s in data.sources):
+            sets[None] = self.loader.validation_batches(micro)
+            if not sets[None]:  # the same on every rank: each gets an equal share of the windows
+                raise ValueError("logging.eval_interval is set, but the held-out split of the data sources has "
+                                 "too few windows for every data-parallel rank (set validation_fraction on a source)")
+        dp_rank = self.dims.dp_rank if self.world_size > 1 else 0
+        for source in data.validation:
+            sets[source.display_name()] = validation_source_batches(source, data, self.tokenizer, micro, dp_rank,
+                                                                    self.dims.dp_size)
+        return sets
 
     def _loss_context(self):
         if not self.loss_parallel:

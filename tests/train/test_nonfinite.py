@@ -1,0 +1,130 @@
+"""Non-finite losses (a NaN injected into one step's loss): `stop` ends the run at once with the step and saves
+nothing after it; `skip` drops exactly that update, on one process and on two FSDP ranks where only one saw it."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from maester.config import load_config
+from maester.train.metrics import read_metrics
+from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE
+from maester.train.trainer import Trainer
+from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, torchrun
+
+
+def full_state(checkpoint: Path, tmp_path: Path) -> dict:
+    """Model and optimizer state of a DCP checkpoint, as one flat dict of tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    flat: dict = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and any(".optimizer." in k for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_stop_ends_the_run_at_the_bad_step_and_saves_nothing_after_it(corpus, tmp_path):
+    args = tiny_overrides(corpus, tmp_path / "jobs", "stop", checkpoint__interval=2, logging__interval=4)
+    r = run_maester(["train", str(DEMO_CONFIG), *args], tmp_path, env=clean_env(_MAESTER_FAULT="nan_loss:3"))
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "non-finite loss or gradient norm at step 3" in r.stderr
+    job = tmp_path / "jobs" / "stop"
+    assert "checkpoints/step-2" in r.stderr.splitlines()[-2]  # the message names the checkpoint to resume from
+    assert sorted(p.name for p in (job / "checkpoints").glob("step-*")) == ["step-2"]  # step 4's save refused
+    assert not (job / COMPLETED_FILE).exists() and not (job / REQUEUE_FILE).exists()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_skip_drops_exactly_the_bad_update(corpus, tmp_path, optimizer):
+    """AdamW skips on the device (fused kernel, found_inf); Muon through the host-read flag."""
+    args = tiny_overrides(corpus, tmp_path / "jobs", optimizer, checkpoint__interval=1, checkpoint__keep_last=8,
+                          training__steps=5, training__nonfinite="skip", optimizer__name=optimizer)
+    r = run_maester(["train", str(DEMO_CONFIG), *args], tmp_path, env=clean_env(_MAESTER_FAULT="nan_loss:3"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    job = tmp_path / "jobs" / optimizer
+    records = read_metrics(job / "metrics.jsonl")
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
+    assert records[2]["loss"] is None and all(r["loss"] is not None for r in records[3:])
+    ckpt = job / "checkpoints"
+    assert_same_state(full_state(ckpt / "step-2", tmp_path), full_state(ckpt / "step-3", tmp_path))
+    changed = full_state(ckpt / "step-4", tmp_path)
+    assert not torch.equal(changed[".model.output.weight"], full_state(ckpt / "step-3", tmp_path)[".model.output.weight"])
+
+
+def test_skip_on_two_fsdp_ranks_when_only_one_saw_the_nan(corpus, tmp_path):
+    args = tiny_overrides(corpus, tmp_path / "jobs", "fsdp", checkpoint__interval=1, checkpoint__keep_last=8,
+                          training__steps=4, training__nonfinite="skip")
+    r = torchrun(2, ["train", str(DEMO_CONFIG), *args], tmp_path, env=clean_env(_MAESTER_FAULT="nan_loss:3@1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    job = tmp_path / "jobs" / "fsdp"
+    assert [r["skipped_steps"] for r in read_metrics(job / "metrics.jsonl")] == [0, 0, 1, 1]
+    ckpt = job / "checkpoints"
+    assert_same_state(full_state(ckpt / "step-2", tmp_path), full_state(ckpt / "step-3", tmp_path))
+
+
+def test_too_many_skips_stop_the_run(corpus, tmp_path):
+    args = tiny_overrides(corpus, tmp_path / "jobs", "many", training__nonfinite="skip",
+                          training__max_skipped_steps=1, checkpoint__interval=0, logging__interval=1)
+    r = run_maester(["train", str(DEMO_CONFIG), *args], tmp_path, env=clean_env(_MAESTER_FAULT="nan_loss:2,nan_loss:3"))
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "2 steps had a non-finite loss or gradient norm and were skipped, the first at step 2" in r.stderr
+    assert "training.max_skipped_steps = 1" in r.stderr
+
+
+def test_detect_anomaly_names_the_backward_op(corpus, tmp_path):
+    args = tiny_overrides(corpus, tmp_path / "jobs", "anomaly", training__detect_anomaly="true", training__steps=3)
+    r = run_maester(["train", str(DEMO_CONFIG), *args], tmp_path, env=clean_env(_MAESTER_FAULT="nan_loss:2"))
+    assert r.returncode != 0
+    assert "returned nan values in its 0th output" in r.stderr
+
+
+def test_gc_is_off_in_the_loop_and_runs_on_schedule(corpus, tmp_path):
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", "gc", training__gc_interval=3,
+                                           training__steps=7), environ={})
+    trainer = Trainer(cfg, cfg.job_dir)
+    collections: list[tuple[int, bool]] = []  # (step, automatic GC enabled) at each collection
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collections.append((trainer.step, gc.isenabled()))
+
+    gc.callbacks.append(on_gc)
+    try:
+        trainer.train()
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert gc.isenabled()  # given back after training
+    in_loop = [step for step, _ in collections if 1 <= step < 7]
+    assert set(in_loop) == {3, 6}, collections  # no collection the loop did not ask for
+    assert not any(enabled for step, enabled in collections if 1 <= step < 7)
+
+
+def test_a_hung_rank_ends_the_job_within_the_train_timeout(corpus, tmp_path):
+    args = tiny_overrides(corpus, tmp_path / "jobs", "hang", training__steps=6, checkpoint__interval=0,
+                          checkpoint__save_final="false", training__train_timeout_seconds=5,
+                          logging__per_rank_files="true")
+    r = torchrun(2, ["train", str(DEMO_CONFIG), *args], tmp_path, timeout=240,
+                 env=clean_env(_MAESTER_FAULT="hang:2@1", _MAESTER_HANG_SECONDS="120"))
+    assert r.returncode != 0
+    assert "maester train: error:" in r.stderr and "a collective failed or timed out" in r.stderr
+    logs = tmp_path / "jobs" / "hang" / "logs"
+    assert "model llama/tiny" in (logs / "rank-1.log").read_text()  # every rank keeps its whole log
+    assert "model llama/tiny" in (logs / "rank-0.log").read_text()
