@@ -318,6 +318,21 @@ class RecordReader:
         self.skipped: Counter[str] = Counter()
         self.kind: str | None = None  # set by `records`: "text" or "messages"
 
+    def count_records(self) -> int | None:
+        """How many records the inputs hold, for a progress bar's ETA: Parquet row counts from the footers, lines of
+        plain JSONL (one fast pass over the bytes); None when a compressed JSONL file would need decompressing."""
+        total = 0
+        for path in self.files:
+            fmt = input_format(path)
+            if fmt == "parquet":
+                total += _open_parquet(path).metadata.num_rows
+            elif fmt == "jsonl":
+                with open(path, "rb") as f:
+                    total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
+            else:
+                return None
+        return total
+
     def _invalid(self, error: InvalidRecord) -> None:
         if not self.skip_invalid:
             raise error

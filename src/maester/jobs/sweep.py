@@ -24,12 +24,14 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from maester.config import ConfigError, load_config, read_config_file
 from maester.jobs.job_dir import write_job_dir
 from maester.jobs.slurm import SubmitError, check_inputs, recorded_jobs, submit_job
+from maester.progress import progress_bar
 
 SWEEP_FILE = "sweep.json"
 FAILED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -108,7 +110,7 @@ def submit_sweep(sweep_path: Path, extra: list[str], no_submit: bool = False) ->
                           f"retry {root}`, or another name)")
     base = sweep_path.parent / spec["base"]
     configs = []
-    for p in points:
+    for p in progress_bar("sweep check", points, unit=" points"):
         cfg = load_config(base, [*p["overrides"], *extra, f"--job.dump_dir={root}", f"--job.name={p['name']}"])
         problems = check_inputs(cfg)
         if problems:
@@ -119,7 +121,7 @@ def submit_sweep(sweep_path: Path, extra: list[str], no_submit: bool = False) ->
               "mode": spec.get("mode", "product"), "points": [{"name": p["name"], "params": p["params"]}
                                                               for p in points]}
     (root / SWEEP_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    for cfg in configs:
+    for cfg in progress_bar("sweep submit", configs, unit=" jobs"):
         job_dir = write_job_dir(cfg)
         if not no_submit:
             submit_job(job_dir)
@@ -205,15 +207,14 @@ def retry(root: Path) -> list[str]:
 def run_here(root: Path) -> list[str]:
     """Train the points that have not completed, one after another in this machine (no SLURM), each with
     `maester train` in its own process, its output in <point>/logs/local.out|err; returns the names trained."""
-    import sys
-
     names = []
-    for point in load_sweep(root)["points"]:
+    todo = [p for p in load_sweep(root)["points"] if not (Path(root) / p["name"] / "COMPLETED").exists()]
+    bar = progress_bar("sweep run", todo, unit=" points")
+    for point in bar:
         job_dir = Path(root) / point["name"]
-        if (job_dir / "COMPLETED").exists():
-            continue
         (job_dir / "logs").mkdir(parents=True, exist_ok=True)
-        print(f"{point['name']}: {' '.join(f'{k}={_format(v)}' for k, v in point['params'].items())}", flush=True)
+        bar.write(f"{point['name']}: {' '.join(f'{k}={_format(v)}' for k, v in point['params'].items())}",
+                  file=sys.stdout)
         with open(job_dir / "logs" / "local.out", "w") as out, open(job_dir / "logs" / "local.err", "w") as err:
             code = subprocess.run([sys.executable, "-m", "maester", "train", str(job_dir)], stdout=out,
                                   stderr=err).returncode

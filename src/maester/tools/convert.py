@@ -30,6 +30,7 @@ from maester.config import Config
 from maester.data.chat import read_json_object
 from maester.data.tokenizers import ByteTokenizer, build_tokenizer
 from maester.models.args import TransformerArgs
+from maester.progress import stages
 from maester.models.hf import (
     args_from_hf,
     check_convertible,
@@ -68,30 +69,33 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", toke
             f"and tokenizer_config.json into {hf_dir}, or convert the weights alone with --no-tokenizer and put "
             f"them into {out / TOKENIZER_DIR}/ later")
     flavor, overrides = choose_flavor(name, args)
-    state = state_dict_from_hf(name, args, read_hf_tensors(hf_dir), where=str(hf_dir))
-    state = {k: v.to(_dtype(dtype)) for k, v in state.items()}
-    final_tokenizer = out.resolve() / TOKENIZER_DIR
-    tree: dict[str, Any] = {"job": {"name": _job_name(out)},
-                            "model": {"name": name, "flavor": flavor, "overrides": overrides}}
-    with _atomic_directory(out) as tmp:
-        if tokenizer:
-            (tmp / TOKENIZER_DIR).mkdir()
-            for file in TOKENIZER_FILES:
-                if (hf_dir / file).is_file():
-                    shutil.copyfile(hf_dir / file, tmp / TOKENIZER_DIR / file)
-            settings = hf_tokenizer_settings(tmp / TOKENIZER_DIR, hf)
-            _check_tokenizer_fits(Config.model_validate({**tree, **settings}))
-            settings["tokenizer"]["path"] = str(final_tokenizer)
-            tree.update(settings)
-        else:  # named, not guessed: using it fails until the files are there
-            tree["tokenizer"] = {"kind": "hf", "path": str(final_tokenizer)}
-        cfg = Config.model_validate(tree)
-        if cfg.model.architecture().differences(args, ignore=_NOT_ARCHITECTURE):
-            raise AssertionError(f"flavor {flavor!r} with overrides {overrides} does not rebuild {hf_dir}'s model")
-        _save_model_state(tmp, name, args, state)
-        _write_json(tmp / "config.json", cfg.model_dump(mode="json"))
-        _write_json(tmp / "trainer_state.json", {"step": 0, "converted_from": str(hf_dir.resolve()),
-                                                 "dtype": dtype})
+    with stages("convert", ["read safetensors", "write checkpoint"]) as next_stage:
+        next_stage()
+        state = state_dict_from_hf(name, args, read_hf_tensors(hf_dir), where=str(hf_dir))
+        state = {k: v.to(_dtype(dtype)) for k, v in state.items()}
+        next_stage()
+        final_tokenizer = out.resolve() / TOKENIZER_DIR
+        tree: dict[str, Any] = {"job": {"name": _job_name(out)},
+                                "model": {"name": name, "flavor": flavor, "overrides": overrides}}
+        with _atomic_directory(out) as tmp:
+            if tokenizer:
+                (tmp / TOKENIZER_DIR).mkdir()
+                for file in TOKENIZER_FILES:
+                    if (hf_dir / file).is_file():
+                        shutil.copyfile(hf_dir / file, tmp / TOKENIZER_DIR / file)
+                settings = hf_tokenizer_settings(tmp / TOKENIZER_DIR, hf)
+                _check_tokenizer_fits(Config.model_validate({**tree, **settings}))
+                settings["tokenizer"]["path"] = str(final_tokenizer)
+                tree.update(settings)
+            else:  # named, not guessed: using it fails until the files are there
+                tree["tokenizer"] = {"kind": "hf", "path": str(final_tokenizer)}
+            cfg = Config.model_validate(tree)
+            if cfg.model.architecture().differences(args, ignore=_NOT_ARCHITECTURE):
+                raise AssertionError(f"flavor {flavor!r} with overrides {overrides} does not rebuild {hf_dir}'s model")
+            _save_model_state(tmp, name, args, state)
+            _write_json(tmp / "config.json", cfg.model_dump(mode="json"))
+            _write_json(tmp / "trainer_state.json", {"step": 0, "converted_from": str(hf_dir.resolve()),
+                                                     "dtype": dtype})
     return out
 
 
@@ -198,19 +202,23 @@ def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_sh
                          f"to {out} yourself")
     name = cfg.model.name
     check_convertible(name, resolve_args(cfg.model, tok.vocab_size, cfg.mup))
-    model = load_checkpoint_model(path, cfg, tok, torch.device("cpu"))
-    args = model.args
-    tensors = {k: v.to(_dtype(dtype)) for k, v in state_dict_to_hf(name, args, model.state_dict()).items()}
-    del model
-    with _atomic_directory(out) as tmp:
-        write_hf_tensors(tmp, tensors, max_bytes)
-        _write_json(tmp / "config.json", hf_config(name, args, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                                   pad_id=tok.pad_id, dtype=dtype))
-        _write_json(tmp / "generation_config.json", generation_config(cfg, tok))
-        if tokenizer:
-            _write_tokenizer_files(cfg, tmp, args.max_seq_len)
-    if upload is not None:
-        upload_folder(out, upload)
+    with stages("convert", ["load checkpoint", "write safetensors"] + (["upload"] if upload else [])) as next_stage:
+        next_stage()
+        model = load_checkpoint_model(path, cfg, tok, torch.device("cpu"))
+        args = model.args
+        tensors = {k: v.to(_dtype(dtype)) for k, v in state_dict_to_hf(name, args, model.state_dict()).items()}
+        del model
+        next_stage()
+        with _atomic_directory(out) as tmp:
+            write_hf_tensors(tmp, tensors, max_bytes)
+            _write_json(tmp / "config.json", hf_config(name, args, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                                       pad_id=tok.pad_id, dtype=dtype))
+            _write_json(tmp / "generation_config.json", generation_config(cfg, tok))
+            if tokenizer:
+                _write_tokenizer_files(cfg, tmp, args.max_seq_len)
+        if upload is not None:
+            next_stage()
+            upload_folder(out, upload)
     return out
 
 

@@ -116,7 +116,7 @@ def convert(inputs: Sequence[str], output_dir: str, to: str, *, shard_size_mb: f
     summary = Summary("convert")
     dropped: Counter[str] = Counter()
     pending = 0
-    with Progress("convert", summary) as progress, AtomicOutputs() as outputs:
+    with Progress("convert", summary, reader.count_records()) as progress, AtomicOutputs() as outputs:
         shards = (_ParquetShards if to == "parquet" else _JsonlShards)(directory, outputs, target)
         for where, record in reader.records(messages_key):
             if to == "jsonl":

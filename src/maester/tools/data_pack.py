@@ -135,7 +135,7 @@ def pack(inputs: Sequence[str], output_dir: str, tokenizer: TokenizerConfig, *, 
     counts: Counter[str] = Counter()
     skipped: Counter[str] = Counter()
     examples: list[tuple[np.ndarray, np.ndarray]] = []
-    with Progress("pack", summary) as progress, AtomicOutputs() as outputs:
+    with Progress("pack", summary, reader.count_records()) as progress, AtomicOutputs() as outputs:
         for results in map_in_order(RecordEncoder, init_args, chunked(records, _CHUNK_RECORDS), workers):
             tokens = 0
             for result in results:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,16 +32,15 @@ class Summary:
 
 
 class Progress:
-    """A tqdm bar on stderr (off when stderr is not a terminal) that counts documents and tokens, and the clock
-    the summary's elapsed time comes from."""
+    """A bar on stderr (off when stderr is not a terminal) that counts documents and tokens, with an ETA when the
+    `total` of records is known, and the clock the summary's elapsed time comes from."""
 
-    def __init__(self, command: str, summary: Summary):
-        from tqdm import tqdm
+    def __init__(self, command: str, summary: Summary, total: int | None = None):
+        from maester.progress import progress_bar
 
         self.summary = summary
         self._start = time.perf_counter()
-        self._bar = tqdm(desc=command, unit=" docs", unit_scale=True, file=sys.stderr, disable=None,
-                         mininterval=0.5, dynamic_ncols=True)
+        self._bar = progress_bar(command, total=total, unit=" docs", unit_scale=True)
 
     def __enter__(self) -> "Progress":
         return self

@@ -262,7 +262,7 @@ def tokenize(inputs: Sequence[str], output_prefix: str, tokenizer: TokenizerConf
     else:
         sink = TokenParquetWriter(Path(f"{os.fspath(output_prefix)}.parquet"))
     summary = Summary("tokenize", tokens=0)
-    with Progress("tokenize", summary) as progress, sink:
+    with Progress("tokenize", summary, reader.count_records()) as progress, sink:
         for tokens, lengths in encode_chunks(chunked(reader.texts(), chunk_size), tokenizer, dtype,
                                              workers=workers, append_eod=append_eod, add_bos=add_bos):
             sink.add_chunk(tokens, lengths)
@@ -281,7 +281,7 @@ def count(inputs: Sequence[str], tokenizer: TokenizerConfig, *, output: str | No
     ChunkEncoder(tokenizer, np.int64, append_eod, add_bos)  # a bad tokenizer fails here, before any output
     summary = Summary("count", tokens=0)
     longest = 0
-    with Progress("count", summary) as progress, AtomicOutputs() as outputs:
+    with Progress("count", summary, reader.count_records()) as progress, AtomicOutputs() as outputs:
         out = open(outputs.temp_for(Path(output)), "w") if output else None
         try:
             for _, lengths in encode_chunks(chunked(reader.texts(), chunk_size), tokenizer, np.int64,

@@ -1,0 +1,75 @@
+"""Long commands show a progress bar with an ETA on a terminal (a real pseudo-terminal here) and nothing of it when
+stderr is a pipe or a file."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+
+from tests.helpers import DEMO_CONFIG, clean_env, tiny_overrides
+
+# tqdm's "NN%|bar| n/total [elapsed<remaining" with a known total: the remaining time is the ETA.
+BAR_WITH_ETA = re.compile(r"(\d+)%\|[^|\n]*\| *[\d.]+k?/[\d.]+k? *\[\d\d:\d\d<\d\d:\d\d")
+
+
+def run_on_terminal(args: list[str], cwd) -> tuple[int, str]:
+    """Run `maester ARGS` with stderr on a pseudo-terminal; returns the exit code and what the terminal showed."""
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([sys.executable, "-m", "maester", *args], cwd=cwd, env=clean_env(),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    return proc.wait(timeout=300), shown.decode(errors="replace")
+
+
+def run_piped(args: list[str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "maester", *args], cwd=cwd, env=clean_env(), capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def tokenize_args(corpus, out) -> list[str]:
+    return ["data", "tokenize", str(corpus), "--output-prefix", str(out), "--tokenizer", "byte"]
+
+
+@pytest.mark.parametrize("command", ["tokenize", "train"])
+def test_bar_with_eta_on_a_terminal_and_quiet_otherwise(corpus, tmp_path, command):
+    def args(name):
+        if command == "tokenize":
+            return tokenize_args(corpus, tmp_path / name / "tokens")
+        return ["train", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", name, training__steps=4,
+                                                           checkpoint__interval=0, checkpoint__save_final="false")]
+
+    code, shown = run_on_terminal(args("tty"), tmp_path)
+    assert code == 0, shown[-3000:]
+    finals = [m for m in BAR_WITH_ETA.finditer(shown) if m.group(1) == "100"]
+    assert finals, shown[-3000:]
+    piped = run_piped(args("pipe"), tmp_path)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert not BAR_WITH_ETA.search(piped.stderr) and "%|" not in piped.stderr
+
+
+def test_record_count_of_parquet_and_jsonl(corpus, tmp_path):
+    from maester.data.records import RecordReader
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(37)))
+    assert RecordReader([str(corpus), str(jsonl)]).count_records() == 200 + 37
+    (tmp_path / "docs.jsonl.gz").write_bytes(b"")
+    assert RecordReader([str(jsonl), str(tmp_path / "docs.jsonl.gz")]).count_records() is None
