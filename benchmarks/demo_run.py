@@ -29,6 +29,8 @@ def train(config: str, tmp: str, env: dict, extra: list[str]) -> float:
 def table(title: str, wall: float, records: list[dict]) -> None:
     import torch
 
+    evals = [r for r in records if "val_loss" in r]
+    records = [r for r in records if "loss" in r]  # steps with a training line (an evaluation may fall between)
     steady = [r["tokens_per_second"] for r in records[1:]]
     print(f"\n{title}\n\n| metric | value |\n|---|---|")
     print(f"| wall time, process start to exit | {wall:.1f} s |")
@@ -36,7 +38,6 @@ def table(title: str, wall: float, records: list[dict]) -> None:
     print(f"| steps | {records[-1]['step']} |")
     print(f"| loss at step 1 | {records[0]['loss']:.3f} |")
     print(f"| loss at the last step | {records[-1]['loss']:.3f} |")
-    evals = [r for r in records if "val_loss" in r]
     if evals:
         print(f"| validation loss, first / last evaluation | {evals[0]['val_loss']:.3f} (step {evals[0]['step']}) / "
               f"{evals[-1]['val_loss']:.3f} (step {evals[-1]['step']}) |")

@@ -103,13 +103,13 @@ def test_a_sweep_of_three_points_runs_and_reports(corpus_here):
 
 
 def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
-    steps = 30
+    steps = 16
     expected = reference(corpus_here, steps)
     job = submit(corpus_here, "chain", "--chain", "3", training__steps=steps, slurm__requeue="false")
     links = [r["job_id"] for r in recorded_jobs(job)]
     assert len(links) == 3
     # The walltime warning of links 1 and 2, early: the script's trap touches this same file.
-    for stop_at in (6, 16):
+    for stop_at in (4, 10):
         wait_for_step(job, stop_at)
         (job / "stop-requested").touch()
         time.sleep(0.5)
@@ -121,11 +121,11 @@ def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
 
 
 def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_here):
-    steps = 30
+    steps = 20
     expected = reference(corpus_here, steps)
     job = submit(corpus_here, "preempted", training__steps=steps)
     (record,) = recorded_jobs(job)
-    wait_for_step(job, 8)
+    wait_for_step(job, 6)
     import subprocess
 
     subprocess.run(["scontrol", "requeue", record["job_id"]], check=True)

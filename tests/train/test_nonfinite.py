@@ -4,6 +4,7 @@ nothing after it; `skip` drops exactly that update, on one process and on two FS
 from __future__ import annotations
 
 import gc
+import re
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,11 @@ import torch
 
 from maester.config import load_config
 from maester.train.metrics import read_metrics
+from maester.train.nonfinite import NonFiniteError
 from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE
 from maester.train.trainer import Trainer
 from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, torchrun
+from tests.test_progress import assert_no_bar
 
 
 def full_state(checkpoint: Path, tmp_path: Path) -> dict:
@@ -50,16 +53,22 @@ def test_stop_ends_the_run_at_the_bad_step_and_saves_nothing_after_it(corpus, tm
     assert "checkpoints/step-2" in r.stderr.splitlines()[-2]  # the message names the checkpoint to resume from
     assert sorted(p.name for p in (job / "checkpoints").glob("step-*")) == ["step-2"]  # step 4's save refused
     assert not (job / COMPLETED_FILE).exists() and not (job / REQUEUE_FILE).exists()
+    assert_no_bar(r.stderr)  # stderr is a pipe: no progress bar
+
+
+def train_here(corpus, tmp_path, monkeypatch, fault: str, name: str, **extra) -> Path:
+    """Train a tiny job in this process with `_MAESTER_FAULT=fault`; returns its job directory."""
+    monkeypatch.setenv("_MAESTER_FAULT", fault)
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", name, **extra), environ={})
+    Trainer(cfg, cfg.job_dir).train()
+    return cfg.job_dir
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_skip_drops_exactly_the_bad_update(corpus, tmp_path, optimizer):
+def test_skip_drops_exactly_the_bad_update(corpus, tmp_path, monkeypatch, optimizer):
     """AdamW skips on the device (fused kernel, found_inf); Muon through the host-read flag."""
-    args = tiny_overrides(corpus, tmp_path / "jobs", optimizer, checkpoint__interval=1, checkpoint__keep_last=8,
-                          training__steps=5, training__nonfinite="skip", optimizer__name=optimizer)
-    r = run_maester(["train", str(DEMO_CONFIG), *args], tmp_path, env=clean_env(_MAESTER_FAULT="nan_loss:3"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    job = tmp_path / "jobs" / optimizer
+    job = train_here(corpus, tmp_path, monkeypatch, "nan_loss:3", optimizer, checkpoint__interval=1,
+                     checkpoint__keep_last=8, training__steps=5, training__nonfinite="skip", optimizer__name=optimizer)
     records = read_metrics(job / "metrics.jsonl")
     assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1, 1]
     assert records[2]["loss"] is None and all(r["loss"] is not None for r in records[3:])
@@ -80,20 +89,18 @@ def test_skip_on_two_fsdp_ranks_when_only_one_saw_the_nan(corpus, tmp_path):
     assert_same_state(full_state(ckpt / "step-2", tmp_path), full_state(ckpt / "step-3", tmp_path))
 
 
-def test_too_many_skips_stop_the_run(corpus, tmp_path):
-    args = tiny_overrides(corpus, tmp_path / "jobs", "many", training__nonfinite="skip",
-                          training__max_skipped_steps=1, checkpoint__interval=0, logging__interval=1)
-    r = run_maester(["train", str(DEMO_CONFIG), *args], tmp_path, env=clean_env(_MAESTER_FAULT="nan_loss:2,nan_loss:3"))
-    assert r.returncode == 4, r.stderr[-3000:]
-    assert "2 steps had a non-finite loss or gradient norm and were skipped, the first at step 2" in r.stderr
-    assert "training.max_skipped_steps = 1" in r.stderr
+def test_too_many_skips_stop_the_run(corpus, tmp_path, monkeypatch):
+    message = ("2 steps had a non-finite loss or gradient norm and were skipped, the first at step 2: more than "
+               "training.max_skipped_steps = 1")
+    with pytest.raises(NonFiniteError, match=re.escape(message)):
+        train_here(corpus, tmp_path, monkeypatch, "nan_loss:2,nan_loss:3", "many", training__nonfinite="skip",
+                   training__max_skipped_steps=1, checkpoint__interval=0, logging__interval=1)
 
 
-def test_detect_anomaly_names_the_backward_op(corpus, tmp_path):
-    args = tiny_overrides(corpus, tmp_path / "jobs", "anomaly", training__detect_anomaly="true", training__steps=3)
-    r = run_maester(["train", str(DEMO_CONFIG), *args], tmp_path, env=clean_env(_MAESTER_FAULT="nan_loss:2"))
-    assert r.returncode != 0
-    assert "returned nan values in its 0th output" in r.stderr
+def test_detect_anomaly_names_the_backward_op(corpus, tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="returned nan values in its 0th output"):
+        train_here(corpus, tmp_path, monkeypatch, "nan_loss:2", "anomaly", training__detect_anomaly="true",
+                   training__steps=3)
 
 
 def test_gc_is_off_in_the_loop_and_runs_on_schedule(corpus, tmp_path):

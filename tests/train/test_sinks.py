@@ -171,15 +171,13 @@ def test_wandb_offline_run_holds_the_metrics_and_restarts_continue_it(corpus, tm
         assert run["tags"] == ["tiny"]
         assert run["config"]["update"]["training"]["steps"] == 4  # the whole resolved config
 
-        # Raised to 8 steps: the second attempt resumes from step-4 and is killed after step 6; the third resumes
-        # from step-4 again and finishes.
-        killed = train(str(job), "--training.steps=8", _MAESTER_FAULT="after_step:6")
-        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        # Raised to 8 steps: the second attempt resumes from step-4 (as a requeue or a crash restart does; the
+        # TensorBoard test covers the kill) and finishes.
         last = train(str(job), "--training.steps=8")
         assert last.returncode == 0, last.stderr
         assert (job / "wandb" / "run-id").read_text().strip() == run_id
         runs = sorted((job / "wandb").glob("offline-run-*"))
-        assert len(runs) == 3 and all(r.name.endswith(f"-{run_id}") for r in runs)  # one run id for all attempts
+        assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)  # one run id for both attempts
         history = wandb_history(wandb_records(runs[-1] / f"run-{run_id}.wandb", env))
         assert connections() == 0  # offline: not one connection attempt, to the W&B server or anywhere else
 

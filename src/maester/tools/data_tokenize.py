@@ -253,6 +253,7 @@ def tokenize(inputs: Sequence[str], output_prefix: str, tokenizer: TokenizerConf
         raise ValueError(f"--format must be indexed or parquet, got {fmt!r}")
     _check_at_least_one(workers=workers, chunk_size=chunk_size)
     reader = RecordReader(inputs, text_key=text_key, skip_invalid=skip_invalid)
+    total = reader.count_records()  # an unreadable file fails here, before any output
     probe = ChunkEncoder(tokenizer, np.int64, append_eod, add_bos)  # a bad tokenizer fails here, before any output
     dtype = best_dtype(probe.tokenizer.vocab_size) if fmt == "indexed" else np.dtype(np.int32)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
@@ -262,7 +263,7 @@ def tokenize(inputs: Sequence[str], output_prefix: str, tokenizer: TokenizerConf
     else:
         sink = TokenParquetWriter(Path(f"{os.fspath(output_prefix)}.parquet"))
     summary = Summary("tokenize", tokens=0)
-    with Progress("tokenize", summary, reader.count_records()) as progress, sink:
+    with Progress("tokenize", summary, total) as progress, sink:
         for tokens, lengths in encode_chunks(chunked(reader.texts(), chunk_size), tokenizer, dtype,
                                              workers=workers, append_eod=append_eod, add_bos=add_bos):
             sink.add_chunk(tokens, lengths)

@@ -264,7 +264,7 @@ def draw_dashboard(job_dir: Path, cfg: Config, train: list[dict], evals: list[di
     for label, values in _lr_curves(train).items():
         lr_ax.plot(steps, values, label=label, **style)
     if lr_ax.get_legend_handles_labels()[1] != ["lr"]:
-        lr_ax.legend(title="param group")
+        lr_ax.legend(title="param group", loc="center")  # warmup, decay and floor fill the edges
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     lr_ax.set_title("learning rate")
 
