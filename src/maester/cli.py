@@ -524,7 +524,7 @@ def _preflight(args) -> None:
     if args.dtypes:
         overrides.append(f"--preflight.dtypes={json.dumps(args.dtypes)}")
     cfg, job_dir = config_for_target(args.target, overrides)
-    rank, _, device = init_distributed(cfg.training.device)
+    rank, _, device = init_distributed(cfg.training.device, precision=cfg.training.precision)
     try:
         report = run_preflight(cfg.preflight, job_dir, device, fail_fast=args.fail_fast)
     except PreflightFailed as e:

@@ -218,17 +218,17 @@ def test_signals_set_a_flag_until_the_handlers_are_restored(tmp_path):
     stops = StopRequests(tmp_path, rank=0)
     stops.install()
     try:
-        assert stops.agree(torch.device("cpu")) is None
+        assert stops.agree() is None
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert stops.agree(torch.device("cpu")) == "SIGUSR1"
+        assert stops.agree() == "SIGUSR1"
         os.kill(os.getpid(), signal.SIGTERM)
-        assert stops.agree(torch.device("cpu")) == "SIGTERM"  # the stronger request wins
+        assert stops.agree() == "SIGTERM"  # the stronger request wins
     finally:
         stops.restore()
     assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == previous
     (tmp_path / STOP_FILE).touch()
-    assert StopRequests(tmp_path, rank=0).agree(torch.device("cpu")) == STOP_FILE
-    assert StopRequests(tmp_path, rank=1).agree(torch.device("cpu")) is None  # rank 0 looks for the file
+    assert StopRequests(tmp_path, rank=0).agree() == STOP_FILE
+    assert StopRequests(tmp_path, rank=1).agree() is None  # rank 0 looks for the file
 
 
 def test_raising_steps_continues_a_completed_run(corpus, tmp_path):

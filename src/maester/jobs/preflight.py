@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from maester.config import PreflightConfig
+from maester.parallel.devices import process_group_backend
 
 REPORT_FILE = "preflight.json"
 FAULT_ENV = "_MAESTER_PREFLIGHT_FAULT"
@@ -364,7 +365,7 @@ def run_preflight(cfg: PreflightConfig, job_dir: Path, device: torch.device, fai
     rank after the same check; without it, wrong results are reported and the run goes on."""
     own_group = not dist.is_initialized()
     if own_group:  # one process without torchrun: a group of one still runs the same calls
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+        dist.init_process_group(process_group_backend(device.type), store=dist.HashStore(), rank=0,
                                 world_size=1)
     try:
         return Preflight(cfg, device, fail_fast).run(Path(job_dir))

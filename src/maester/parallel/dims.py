@@ -85,7 +85,7 @@ class ParallelDims:
         """3-D mesh (dp_replicate, dp_shard, tp), with "dp" = dp_replicate x dp_shard flattened for data and loss."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_type = "cpu" if dist.get_backend() == "gloo" else "cuda"
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # "cpu:gloo,cuda:nccl" on GPUs
         mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
@@ -96,26 +96,32 @@ class ParallelDims:
         return self.mesh["dp"].get_local_rank()
 
 
-def init_distributed(device_choice: str = "auto", timeout_s: float | None = None) -> tuple[int, int, torch.device]:
-    """Join the process group when launched by torchrun (NCCL/RCCL on GPUs, gloo on CPU).
+def init_distributed(device_choice: str = "auto", timeout_s: float | None = None,
+                     precision: str = "auto") -> tuple[int, int, torch.device]:
+    """Join the process group when launched by torchrun: on GPUs NCCL/RCCL for device tensors and gloo for host
+    tensors (`devices.process_group_backend`), on CPU gloo.
 
-    `device_choice` is `training.device`; `timeout_s` the collective timeout (None: torch's default). Returns the
+    `device_choice` is `training.device` (`auto` refuses the CPU where a GPU was meant: `devices.choose_device_type`),
+    `timeout_s` the collective timeout (None: torch's default), `precision` is `training.precision`. Returns the
     rank, the world size and this rank's device.
     """
+    from maester.parallel.devices import choose_device_type, process_group_backend
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    use_gpu = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
-    if use_gpu and not torch.cuda.is_available():
-        raise RuntimeError("training.device = 'cuda' but no CUDA/ROCm device is available")
+    device_type = choose_device_type(device_choice, precision)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_gpu:
+    if device_type == "cuda":
+        # Before the first CUDA allocation; the user's own setting wins (torchtitan sets the same).
+        if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+            os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if world == 1 and not dist.is_initialized():
         return 0, 1, device
     if not dist.is_initialized():
         from datetime import timedelta
 
-        dist.init_process_group("nccl" if use_gpu else "gloo",
+        dist.init_process_group(process_group_backend(device_type),
                                 timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None)
     return dist.get_rank(), dist.get_world_size(), device
 

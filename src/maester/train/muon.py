@@ -476,7 +476,7 @@ class Muon(torch.optim.Optimizer):
             if tuple(p.to_local().shape) != (len(mine[0]), len(mine[1])):
                 raise ValueError(f"Muon: cannot place the local piece {tuple(p.to_local().shape)} of a parameter "
                                  f"of shape {(rows, cols)} laid out as {_layout_name(p)}")
-        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        if "nccl" in str(dist.get_backend(group)) and device.type != "cuda":
             raise ValueError(f"Muon: a parameter of shape {(rows, cols)} ({_layout_name(p)}) is on {device}, but its "
                              f"ranks talk over NCCL; CPU-offloaded parameters are not handled by Muon")
         everyone: list[Any] = [None] * dist.get_world_size(group)

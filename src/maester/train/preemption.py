@@ -7,8 +7,8 @@ A stop request reaches the trainer in one of two ways:
 - the file `<job_dir>/stop-requested` appearing. The SLURM script's trap touches it when the warning of
   `--signal=B:USR1@<seconds>` reaches the batch shell, since signalling torchrun itself would kill it.
 
-The trainer looks once per optimizer step and all ranks agree (`StopRequests.agree`), so a request that reaches
-one rank stops every rank after the same step. It then saves a checkpoint of that step, and rank 0 removes the
+The trainer looks once per optimizer step and all ranks agree (`StopRequests.agree`, one step later with several
+processes), so a request that reaches one rank stops every rank after the same step. It then saves a checkpoint of that step, and rank 0 removes the
 stop file and writes `requeue-requested`; every process exits with `REQUEUE_EXIT_CODE`. (torchrun, seeing the
 first of them exit with an error code, ends those still shutting down with SIGTERM and exits with 1 itself: the
 file, not an exit code, is what tells the SLURM script to requeue.)
@@ -59,6 +59,7 @@ class StopRequests:
         self.job_dir, self.rank = Path(job_dir), rank
         self._signalled = 0  # the highest code of a signal received
         self._previous: dict[int, object] = {}
+        self._pending = None  # (work, flag) of the all-reduce of the last step's requests
 
     def install(self) -> None:
         """Catch SIGTERM and SIGUSR1, remembering the handlers they had."""
@@ -87,24 +88,39 @@ class StopRequests:
             code = max(code, REASONS.index(STOP_FILE))
         return code
 
-    def agree(self, device: torch.device) -> str | None:
+    def agree(self) -> str | None:
         """The reason to stop after this step, the same on every rank; None: go on. A collective: every rank calls
         it after every optimizer step.
 
-        Cost: one all-reduce of one int32 and reading it back on the host. On a CPU that is microseconds; on GPUs
-        the read waits for the step's kernels to finish, so the host no longer queues the next step's work while
-        the current one runs (it still launches it well before the GPU needs it at the usual step times of
-        hundreds of milliseconds and more), and the all-reduce itself is one latency-bound message of 4 bytes.
+        One process: this step's request. Several: each step's requests are all-reduced on the host (gloo; on GPUs
+        the process group's CPU backend) in the background while the next step trains, and read after it, so every
+        rank stops after the same step, one step after the request, and no step waits for the GPU or a network
+        round trip (OLMo-core checks its cancel flag off the hot path too). `drain` ends the last all-reduce.
         """
+        import numpy as np
         import torch
         import torch.distributed as dist
 
         code = self.local_code()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([code], dtype=torch.int32, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            code = int(flag.item())
-        return REASONS[code]
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return REASONS[code]
+        agreed = self._read_pending()
+        if agreed == 0:
+            flag = np.array([code], dtype=np.int32)  # read through numpy once the all-reduce is done
+            self._pending = (dist.all_reduce(torch.from_numpy(flag), op=dist.ReduceOp.MAX, async_op=True), flag)
+        return REASONS[agreed]
+
+    def drain(self) -> None:
+        """Wait for the last step's all-reduce (every rank issued it) before the process group is used otherwise."""
+        self._read_pending()
+
+    def _read_pending(self) -> int:
+        if self._pending is None:
+            return 0
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return int(flag[0])
 
     def acknowledge(self, step: int, reason: str, checkpoint: Path | None) -> None:
         """After the checkpoint of a stop: rank 0 removes the stop file and writes `requeue-requested`; every rank

@@ -27,6 +27,7 @@ from maester.models.build import (
     materialize,
     resolve_args,
 )
+from maester.parallel.devices import describe_environment
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout
 from maester.parallel.parallelize import parallelize, uses_loss_parallel
 from maester.progress import progress_bar
@@ -70,10 +71,10 @@ class TrainResult:
 BATCH_STATISTICS = ("labels", "real", "tokens", "documents", "document_tokens", "document_tokens_max")
 
 
-def batch_statistics(batches) -> torch.Tensor:
-    """Counts of one step's micro-batches on the host: label tokens, tokens that are not padding, all tokens,
-    packed documents, their tokens, and the longest of them."""
-    out = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64)
+def batch_statistics(batches, device: torch.device) -> torch.Tensor:
+    """Counts of one step's micro-batches, as tensor ops on `device` (no host read): label tokens, tokens that are
+    not padding, all tokens, packed documents, their tokens, and the longest of them."""
+    out = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64, device=device)
     for b in batches:
         out[0] += (b.labels != IGNORE_INDEX).sum()
         out[1] += (b.document_ids >= 0).sum() if b.document_ids is not None else b.input_ids.numel()
@@ -81,7 +82,7 @@ def batch_statistics(batches) -> torch.Tensor:
         if b.document_lengths is not None and len(b.document_lengths):
             out[3] += len(b.document_lengths)
             out[4] += b.document_lengths.sum()
-            out[5] = max(out[5], b.document_lengths.max())
+            out[5] = torch.maximum(out[5], b.document_lengths.max())
     return out
 
 
@@ -157,8 +158,10 @@ class Trainer:
     def __init__(self, cfg: Config, job_dir: Path):
         self.cfg, self.job_dir = cfg, Path(job_dir)
         self.rank, self.world_size, self.device = init_distributed(cfg.training.device,
-                                                                   cfg.training.init_timeout_seconds)
+                                                                   cfg.training.init_timeout_seconds,
+                                                                   cfg.training.precision)
         setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
+        log.info("environment: %s", describe_environment(self.device))
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.jobs.preflight import run_preflight
@@ -286,7 +289,8 @@ class Trainer:
         dp_size = self.dims.dp_size
         last_checkpoint, loss_value, stop_reason = None, None, None
         window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
-        window_batches, window_steps = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64), 0
+        window_batches = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64, device=self.device)
+        window_steps = 0
         model.train()
         first_step = self.step + 1
         gc_interval = cfg.training.gc_interval
@@ -300,17 +304,17 @@ class Trainer:
                 t0 = time.perf_counter()
                 host_batches = self.loader.next_step()
                 window_data_s += time.perf_counter() - t0
-                stats = batch_statistics(host_batches)
-                window_batches[:-1] += stats[:-1]
-                window_batches[-1] = max(window_batches[-1], stats[-1])
                 micro_batches = [b.to(self.device) for b in host_batches]
+                stats = batch_statistics(micro_batches, self.device)
+                window_batches[:-1] += stats[:-1]
+                window_batches[-1] = torch.maximum(window_batches[-1], stats[-1])
                 self.step += 1
                 lr_mult = lr_multiplier(cfg.schedule, self.step - self.schedule_start, total - self.schedule_start)
                 for group, base in zip(optimizer.param_groups, self.base_lrs):
                     group["lr"] = base * lr_mult
 
                 try:
-                    loss = self._forward_backward(micro_batches, int(stats[0]))
+                    loss = self._forward_backward(micro_batches, stats[0])
                     grad_norm = clip_grad_norm(params, max_norm)
                     if self.nonfinite.observe(self.step, loss, grad_norm):
                         optimizer.step()
@@ -365,7 +369,7 @@ class Trainer:
                 maybe_crash("after_step", self.step)
 
                 # After the last step the run is complete, whatever was asked.
-                stop_reason = stops.agree(self.device) if self.step < total else None
+                stop_reason = stops.agree() if self.step < total else None
                 if stop_reason is not None:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{self.step}":
                         last_checkpoint = self._save_checkpoint()
@@ -373,6 +377,7 @@ class Trainer:
                     log.info("stopped on request (%s) after step %d of %d with checkpoint %s; wrote %s",
                              stop_reason, self.step, total, last_checkpoint, self.job_dir / REQUEUE_FILE)
                     break
+            stops.drain()
         except NonFiniteError as e:
             latest = self.checkpointer.latest()
             raise NonFiniteError(f"{e}; latest checkpoint: {latest or 'none'}", e.step) from None
@@ -415,15 +420,15 @@ class Trainer:
                         "document_tokens_max": int(t["document_tokens_max"])})
         return out
 
-    def _forward_backward(self, micro_batches, labels: int) -> torch.Tensor:
+    def _forward_backward(self, micro_batches, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step
         over all data-parallel ranks, so neither the micro-batch split nor the number of ranks changes it.
 
         FSDP and DDP average gradients over the data-parallel ranks; the backward loss is scaled by their number
         to turn that average into the sum the normalisation needs. `labels`: this rank's label tokens in the step,
-        counted on the host with the step's other statistics.
+        a tensor on the device counted with the step's other statistics (no host read).
         """
-        n_labels = torch.tensor(labels, device=self.device)
+        n_labels = labels.to(torch.int64)
         if self.dp_group is not None:
             dist.all_reduce(n_labels, group=self.dp_group)
         n_labels = n_labels.clamp(min=1)

@@ -1,0 +1,114 @@
+"""Which device a run trains on, which collective backend serves which device, and what the GPU stack is.
+
+`training.device = "auto"` takes the GPU when torch can use one. When it cannot, it trains on the CPU only if
+nothing says a GPU was meant: a GPU job whose torch cannot see its GPUs (a driver older than the CUDA build needs, a
+CUDA wheel on an AMD node) must fail at start, not train for hours on the host.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+GPU_VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+SLURM_GPU_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
+                       "SLURM_GPUS", "SLURM_GPUS_PER_TASK")
+
+
+def process_group_backend(device_type: str) -> str:
+    """The backend string for `init_process_group`: on a GPU, NCCL (RCCL on ROCm) for device tensors and gloo for
+    host tensors, so a statistic or a flag that lives on the host never reaches NCCL, which serves CUDA tensors
+    only (OLMo-core's default, "cpu:gloo,cuda:nccl"); on the CPU, gloo."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def gpu_intent(precision: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """What says this run was meant for GPUs: the reasons, each naming its source; empty: nothing does."""
+    env = os.environ if env is None else env
+    reasons = []
+    for name in GPU_VISIBILITY_VARIABLES:
+        value = env.get(name, "").strip()
+        if value and value not in ("-1", "none", "NoDevFiles"):
+            reasons.append(f"{name}={value}")
+    for name in SLURM_GPU_VARIABLES:
+        value = env.get(name, "").strip()
+        if value and value not in ("0", "(null)"):
+            reasons.append(f"{name}={value} (a SLURM job with GPUs; a GPU template sets it)")
+    if precision == "bf16":
+        reasons.append("training.precision = 'bf16'")
+    return reasons
+
+
+def why_no_gpu() -> str:
+    """Why torch cannot use a GPU here, in words a user can act on."""
+    build = f"torch {torch.__version__}"
+    if torch.version.cuda is None and torch.version.hip is None:
+        return f"{build} is a CPU-only build (no CUDA or ROCm support): install a GPU build (docs/install.md)"
+    try:
+        torch.cuda.init()
+    except Exception as e:  # torch's own reason: no driver, a driver too old for this build, no device
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    else:
+        reason = f"torch sees {torch.cuda.device_count()} device(s)"
+    stack = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm/HIP {torch.version.hip}"
+    hint = ""
+    if torch.version.cuda and Path("/dev/kfd").exists():
+        hint = "; this node has AMD GPUs (/dev/kfd) but torch is a CUDA build: use a ROCm build (docs/install.md)"
+    return f"{build} ({stack}) cannot use a GPU: {reason}{hint}"
+
+
+def choose_device_type(choice: str, precision: str, env: Mapping[str, str] | None = None) -> str:
+    """"cuda" or "cpu" for `training.device` = `choice` ("auto", "cuda" or "cpu"); raises where the GPU was meant
+    and cannot be used, saying why."""
+    if choice == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if choice == "cuda":
+        raise RuntimeError(f"training.device = 'cuda', but {why_no_gpu()}")
+    reasons = gpu_intent(precision, env)
+    if reasons:
+        raise RuntimeError(f"training.device = 'auto' found no usable GPU, but this run was meant for GPUs "
+                           f"({'; '.join(reasons)}): {why_no_gpu()}. To train on the CPU on purpose, set "
+                           f"training.device = 'cpu'")
+    return "cpu"
+
+
+def describe_environment(device: torch.device) -> str:
+    """torch, CUDA/HIP and driver versions, the collective library and the GPU: one line for the start of a log."""
+    parts = [f"torch {torch.__version__}"]
+    if torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    if torch.version.hip:
+        parts.append(f"HIP {torch.version.hip}")
+    if device.type != "cuda":
+        return ", ".join(parts + [f"device {device}"])
+    props = torch.cuda.get_device_properties(device)
+    driver = _driver_version()
+    if driver:
+        parts.append(f"driver {driver}")
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        parts.append(f"{'RCCL' if torch.version.hip else 'NCCL'} {nccl}")
+    except Exception:  # a build without NCCL
+        pass
+    arch = getattr(props, "gcnArchName", "") if torch.version.hip else f"sm_{props.major}{props.minor}"
+    parts.append(f"{torch.cuda.device_count()} x {props.name} ({arch}, "
+                 f"{props.total_memory / 2**30:.0f} GiB); device {device}")
+    return ", ".join(parts)
+
+
+def _driver_version() -> str | None:
+    """The kernel driver's version where the system says it (NVIDIA's /proc entry, AMD's amdgpu module)."""
+    for path in (Path("/proc/driver/nvidia/version"), Path("/sys/module/amdgpu/version")):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for word in text.split():
+            if word[:1].isdigit() and "." in word:
+                return word
+    return None

@@ -1,0 +1,71 @@
+"""No collective of a training run reaches a backend that cannot serve its tensor's device.
+
+On GPUs the process group maps CPU tensors to gloo and CUDA tensors to NCCL/RCCL ("cpu:gloo,cuda:nccl"). NCCL
+alone serves CUDA tensors only: a host statistic all-reduced on it crashed every multi-GPU run at its first
+logging step. gloo on CPU accepts everything, so these runs record every collective (its tensors' devices, its
+group's device->backend map) and check them against the map.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from tests.data.test_sft import write_conversations
+from tests.distributed.collective_audit import unserved
+from tests.helpers import REPO, clean_env, tiny_overrides, write_corpus
+
+import subprocess
+
+
+def audit(tmp_path, name, overrides) -> list[dict]:
+    out = tmp_path / f"audit-{name}"
+    env = clean_env(OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests" / "distributed" / "collective_audit.py"), str(out), *overrides],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [r for rank in (0, 1) for r in json.loads((out / f"rank-{rank}.json").read_text())]
+
+
+def test_gpu_backend_map_gives_host_tensors_to_gloo():
+    from maester.parallel.devices import process_group_backend
+
+    assert dist.BackendConfig(dist.Backend(process_group_backend("cuda"))).get_device_backend_map() == {
+        "cpu": "gloo", "cuda": "nccl"}
+    assert process_group_backend("cpu") == "gloo"
+
+
+def test_unserved_flags_a_host_tensor_on_an_nccl_only_group():
+    record = {"op": "all_reduce", "devices": ["cpu"], "backends": "cuda:nccl", "caller": "trainer.py:x"}
+    assert unserved([record]) == [record]
+    assert unserved([{**record, "backends": "cpu:gloo,cuda:nccl"}]) == []
+
+
+def test_pretraining_collectives_reach_a_backend_for_their_device(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.parquet")
+    records = audit(tmp_path, "pretrain", tiny_overrides(
+        corpus, tmp_path / "jobs", "pretrain", training__steps=4, checkpoint__interval=2, logging__interval=2,
+        training__global_batch_size=4, training__micro_batch_size=2))
+    assert unserved(records) == []
+    assert all(set(r["backends"].split(",")) == {"cpu:gloo", "cuda:gloo"} for r in records), \
+        "a group lost the device map"
+    callers = {r["caller"] for r in records}
+    # the logging step's statistics, the loss normalisation, the stop agreement and the checkpoint all took part
+    assert {"trainer.py:_batch_metrics", "trainer.py:_forward_backward", "preemption.py:agree"} <= callers, callers
+    assert any(c.startswith("checkpoint.py") for c in callers), callers
+
+
+def test_sft_collectives_reach_a_backend_for_their_device(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    write_conversations(chats, 60)
+    records = audit(tmp_path, "sft", tiny_overrides(
+        chats, tmp_path / "jobs", "sft", data__mode="sft", data__seq_len=128,
+        data__sources=json.dumps([{"path": str(chats), "validation_fraction": 0.2}]), training__steps=4,
+        logging__eval_interval=2, checkpoint__interval=2, schedule__name="constant", schedule__warmup_steps=0))
+    assert unserved(records) == []
+    callers = {r["caller"] for r in records}
+    assert {"sft.py:_trained_everywhere", "trainer.py:evaluate"} <= callers, callers
