@@ -126,10 +126,17 @@ def init_distributed(device_choice: str = "auto", timeout_s: float | None = None
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def set_collective_timeout(seconds: float, mesh=None) -> None:
-    """Give the default process group and every group of `mesh` a new collective timeout."""
+def set_collective_timeout(seconds: float, mesh=None, device: torch.device | None = None) -> None:
+    """Give the default process group and every group of `mesh` a new collective timeout.
+
+    Every rank first finishes its queued work and meets the others at a barrier: a rank that shortened its timeout
+    while another was still compiling would time out waiting for it (torchtitan's set_pg_timeouts does the same).
+    """
     from datetime import timedelta
 
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
     groups = [dist.group.WORLD] + (list(mesh.get_all_groups()) if mesh is not None else [])
     for group in groups:
         if hasattr(group, "set_timeout"):

@@ -92,6 +92,8 @@ def uses_loss_parallel(model: nn.Module) -> bool:
 # Ops whose outputs selective checkpointing keeps: recomputing them costs the most.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,  # biased linears (GPT-NeoX); torchtitan saves aten.linear too
+    torch.ops.aten.linear.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
@@ -164,4 +166,6 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device
         # The last block's parameters are needed again at once by backward: no point resharding them.
         reshard = cfg.fsdp_reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=cfg.fsdp_reshard_after_forward, **kwargs)
+    # The root (embeddings, final norm, output) keeps FSDP2's default, None: not resharded after forward, since
+    # backward needs the output layer first; an explicit True would all-gather it again in every backward.
+    fully_shard(model, reshard_after_forward=None if cfg.fsdp_reshard_after_forward else False, **kwargs)

@@ -297,6 +297,7 @@ class Trainer:
         if gc_interval:  # collected every gc_interval steps on all ranks at once, not whenever a rank's count says
             gc.disable()
             gc.collect()
+        long_timeout, evaluated = self.world_size > 1, False  # init_timeout_seconds until the first step (and eval)
         stops = StopRequests(self.job_dir, self.rank)
         stops.install()  # signal handlers that only set a flag, until training ends
         try:
@@ -323,8 +324,6 @@ class Trainer:
                     raise
                 optimizer.zero_grad(set_to_none=True)
                 profiler.step(self.step)
-                if self.step == first_step and self.world_size > 1:  # building and compiling are behind us
-                    set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.mesh)
                 if gc_interval and self.step % gc_interval == 0:
                     gc.collect(1)
                 maybe_hang(self.step)
@@ -360,9 +359,13 @@ class Trainer:
                     window_batches, window_steps = torch.zeros_like(window_batches), 0
 
                 if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == total):
-                    validation = self.evaluate()
+                    validation, evaluated = self.evaluate(), True
                     if writer is not None:
                         writer.write_eval({"step": self.step, **validation})
+                if long_timeout and (evaluated or not cfg.logging.eval_interval):
+                    # Building, compiling and the first evaluation's recompiles are behind every rank.
+                    set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.mesh, device=self.device)
+                    long_timeout = False
 
                 if self._checkpoint_due():
                     last_checkpoint = self._save_checkpoint()
