@@ -15,8 +15,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from maester.models.args import TransformerArgs
+from maester.models.loss import cross_entropy_sum, linear_cross_entropy_sum
 from maester.models.layers import (
     MLP,
     Attention,
@@ -122,8 +124,10 @@ class Transformer(nn.Module):
                 nn.init.zeros_(self.output.weight)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """input_ids (batch, seq) -> logits (batch, seq, vocab).
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (batch, seq) -> logits (batch, seq, vocab); with `labels` (batch, seq), the summed
+        cross-entropy instead (`maester.models.loss`), computed without the whole batch's logits.
 
         `position_ids` default to 0..seq-1 (after the cached positions with `cache`); with `document_ids` (-1 on
         padding), attention stays within each document. `args.attention` picks the kernel (see
@@ -165,7 +169,12 @@ class Transformer(nn.Module):
         if self.args.output_multiplier != 1.0:
             # μP's output_alpha / m, on the hidden state: the same for a tied or untied, whole or sharded head.
             h = h * self.args.output_multiplier
-        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        if labels is None:
+            return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        weight = self.output.weight if self.output is not None else self.tok_embeddings.weight
+        if isinstance(weight, DTensor):  # a vocabulary-sharded head (TP): loss_parallel on the sharded logits
+            return cross_entropy_sum(self.output(h), labels)
+        return linear_cross_entropy_sum(h, weight, labels)
 
 
 # What activation checkpointing and torch.compile insert into parameter names (FSDP2 and TP insert nothing).

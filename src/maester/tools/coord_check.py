@@ -48,7 +48,7 @@ def fixed_batch(cfg: Config, tokenizer):
 def run_width(cfg: Config, width: int, seed: int, steps: int, batch, vocab: int) -> list[Record]:
     """Train the config's model at `width` for `steps` steps on `batch`, recording activation sizes."""
     from maester.models.build import build_on_meta, materialize, resolve_args
-    from maester.train.loss import cross_entropy_sum
+    from maester.models.loss import cross_entropy_sum
     from maester.train.optim import build_optimizer
 
     model_cfg = ModelConfig.model_validate({**cfg.model.model_dump(), "width": width})

@@ -38,7 +38,6 @@ from maester.train.checkpoint import (
     resolve_checkpoint,
 )
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
-from maester.train.loss import cross_entropy_sum
 from maester.train.metrics import (
     device_peak_flops,
     model_flops_per_token,
@@ -442,8 +441,8 @@ class Trainer:
             contextlib.nullcontext()
         for batch in micro_batches:
             with self._loss_context(), autocast_context(self.cfg, self.device), anomaly:
-                logits = self.model(batch.input_ids, batch.position_ids, batch.document_ids)
-                loss = cross_entropy_sum(logits, batch.labels) / n_labels
+                loss = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
+                                  labels=batch.labels) / n_labels
                 if nan:
                     loss = loss * float("nan")
                 (loss * scale).backward()
@@ -463,8 +462,9 @@ class Trainer:
             for batch in batches:
                 batch = batch.to(self.device)
                 with self._loss_context(), autocast_context(self.cfg, self.device):
-                    logits = self.model(batch.input_ids, batch.position_ids, batch.document_ids)
-                    totals[i, 0] += full_value(cross_entropy_sum(logits, batch.labels).detach())
+                    loss_sum = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
+                                          labels=batch.labels)
+                    totals[i, 0] += full_value(loss_sum.detach())
                 totals[i, 1] += (batch.labels != IGNORE_INDEX).sum()
         self.model.train()
         if self.dp_group is not None:

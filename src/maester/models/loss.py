@@ -1,0 +1,52 @@
+"""Token-level cross-entropy of the output layer, summed (the step divides by the label count of the whole step),
+computed in chunks of tokens so that the float32 logits of the whole batch never exist.
+
+A (tokens x vocabulary) float32 logits tensor, its log-softmax and their gradients are the largest tensors of a
+step with a large vocabulary: 16k tokens x 262k (Gemma 3) is 16 GiB each. Here each chunk's logits are made,
+reduced to a loss and freed; backward makes them again, one chunk at a time (activation checkpointing of the
+head, as torchtitan's chunked loss and OLMo-core's fused linear loss avoid the full logits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from maester.data.packing import IGNORE_INDEX
+
+CHUNK_ELEMENTS = 2**27
+"""Logits per chunk (512 MiB in float32): large enough that the matmuls stay efficient."""
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the per-token losses in float32; positions labelled IGNORE_INDEX contribute nothing."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def chunk_tokens_for(vocab_size: int) -> int:
+    """Tokens per chunk: a power of two with at most CHUNK_ELEMENTS logits (at least 1)."""
+    return 1 << max(0, (CHUNK_ELEMENTS // max(vocab_size, 1)).bit_length() - 1)
+
+
+def _head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return cross_entropy_sum(F.linear(h, weight), labels)
+
+
+def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             chunk_tokens: int | None = None) -> torch.Tensor:
+    """`cross_entropy_sum(F.linear(h, weight), labels)` without the whole logits tensor: `h` (..., dim) hidden
+    states, `weight` (vocab, dim), `labels` (...). Chunks of `chunk_tokens` tokens (default: `chunk_tokens_for`);
+    a batch that fits in one chunk is computed directly, as before."""
+    h, labels = h.flatten(0, -2), labels.flatten()
+    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    if h.shape[0] <= chunk:
+        return _head_loss(h, weight, labels)
+    if not torch.is_grad_enabled():
+        return sum(_head_loss(hc, weight, lc) for hc, lc in zip(h.split(chunk), labels.split(chunk)))
+    total = None
+    for hc, lc in zip(h.split(chunk), labels.split(chunk)):
+        part = checkpoint(_head_loss, hc, weight, lc, use_reentrant=False, preserve_rng_state=False)
+        total = part if total is None else total + part
+    return total
