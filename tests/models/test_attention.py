@@ -14,7 +14,9 @@ from maester.models.layers import document_offsets, resolve_attention
 CPU = torch.device("cpu")
 BYTE_VOCAB = 269
 IGNORE = -100
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def needs_cuda(test):
+    """Runs on a GPU only (the GPU check runs `-m cuda`)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 def tiny_model(attention: str = "auto", device: torch.device = CPU, seed: int = 0, **overrides) -> torch.nn.Module:

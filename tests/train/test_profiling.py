@@ -152,6 +152,7 @@ def test_training_that_ends_in_the_warmup_writes_no_trace(tmp_path):
     assert profile_files(tmp_path) == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_trace_and_memory_snapshots(tmp_path):
     """Kernels in the trace; a snapshot after the window and one on (a simulated) out-of-memory, each a pickle

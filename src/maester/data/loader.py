@@ -28,14 +28,36 @@ class Batch:
     position_ids: torch.Tensor  # (batch, seq) int64
     document_ids: torch.Tensor | None = None  # (batch, seq) int64, -1 on padding
     document_lengths: torch.Tensor | None = None  # (documents,) int64: lengths of the packed documents (SFT)
+    document_offsets: torch.Tensor | None = None
+    """(documents + 1,) int32: where each document starts in the flattened batch, then its size (varlen's
+    cu_seqlens); made here on the host from `document_ids`, so the device never waits to count documents."""
+
+    def __post_init__(self):
+        if self.document_offsets is None and self.document_ids is not None and not self.document_ids.is_cuda:
+            self.document_offsets = host_document_offsets(self.document_ids)
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(**{f.name: None if getattr(self, f.name) is None else
-                        getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+        """On `device`; to a GPU through pinned memory, without waiting for the copy."""
+        def move(t):
+            if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+                t = t.pin_memory()
+            return t.to(device, non_blocking=True)
+
+        return Batch(**{f.name: None if getattr(self, f.name) is None else move(getattr(self, f.name))
+                        for f in fields(self)})
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+
+def host_document_offsets(document_ids: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens of a (batch, seq) document-id tensor on the host: a document starts where the id changes and at
+    every row start; then the total token count."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    offsets = starts.flatten().nonzero().flatten()
+    return torch.cat((offsets, torch.tensor([document_ids.numel()]))).to(torch.int32)
 
 
 def check_batch_split(global_batch: int, micro_batch: int, dp_size: int) -> None:
@@ -87,19 +109,19 @@ def is_pretokenized(cfg: DataConfig) -> bool:
 
 
 def build_loader(cfg: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, global_batch: int,
-                 micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None, pin_memory: bool = False):
+                 micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None):
     kw = dict(seed=seed, global_batch=global_batch, micro_batch=micro_batch, dp_rank=dp_rank, dp_size=dp_size)
     if cfg.mode == "sft":
         from maester.data.sft import SFTLoader
 
-        return SFTLoader(cfg, tokenizer_cfg, tokenizer, group=group, pin_memory=pin_memory, **kw)
+        return SFTLoader(cfg, tokenizer_cfg, tokenizer, group=group, **kw)
     if is_pretokenized(cfg):
         from maester.data.token_stream import TokenLoader
 
         return TokenLoader(cfg, tokenizer, **kw)
     from maester.data.text_stream import TextLoader
 
-    return TextLoader(cfg, tokenizer_cfg, tokenizer, group=group, pin_memory=pin_memory, **kw)
+    return TextLoader(cfg, tokenizer_cfg, tokenizer, group=group, **kw)
 
 
 def validation_source_batches(source: DataSourceConfig, data: DataConfig, tokenizer, micro_batch: int,

@@ -201,8 +201,7 @@ class SFTLoader:
     """Each optimizer step's micro-batches of packed rows for one data-parallel rank."""
 
     def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int,
-                 global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None,
-                 pin_memory: bool = False):
+                 global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None):
         from maester.data.loader import check_batch_split
 
         check_batch_split(global_batch, micro_batch, dp_size)

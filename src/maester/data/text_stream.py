@@ -175,8 +175,7 @@ class TextLoader:
     """Each optimizer step's micro-batches for one data-parallel rank, from raw text tokenized on the fly."""
 
     def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int,
-                 global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None,
-                 pin_memory: bool = False):
+                 global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None):
         from maester.data.loader import check_batch_split
 
         check_batch_split(global_batch, micro_batch, dp_size)
@@ -194,7 +193,6 @@ class TextLoader:
         if self.num_workers < data.num_workers:
             log.info("data.num_workers=%d, but this rank serves %d streams: using %d workers",
                      data.num_workers, per_rank, self.num_workers)
-        self.pin_memory = pin_memory
         self._batches = None
 
     @property
@@ -207,7 +205,9 @@ class TextLoader:
             return iter(dataset)
         # each worker tokenizes on one thread; Rust threads in a forked process would deadlock or warn
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        return iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+        # Not pinned here: the rows are copied into the step's batches, which `Batch.to` pins on their way to
+        # the GPU; pinning the workers' rows would be a copy thrown away.
+        return iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=False,
                                persistent_workers=True, prefetch_factor=4))
 
     def next_step(self) -> list:

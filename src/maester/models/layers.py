@@ -6,6 +6,8 @@ checkpoints map onto these modules without permuting weights.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 
 class RMSNorm(nn.Module):
@@ -142,14 +145,32 @@ def _flex(device: torch.device) -> tuple[Any, Any]:
     return _FLEX["cuda" if device.type == "cuda" else "eager"]
 
 
-def resolve_attention(choice: str, device: torch.device, has_documents: bool) -> str:
-    """The backend a forward uses. `auto`: `flex` on CUDA when document ids are given (the dense mask of
-    `sdpa` costs batch x seq^2 memory there), else `sdpa`."""
+def resolve_attention(choice: str, device: torch.device, has_documents: bool, window: int | None = None,
+                      seq: int | None = None) -> str:
+    """The backend a forward uses. `auto`: `flex` on CUDA whenever a mask is needed, i.e. with document ids or a
+    sliding window shorter than the sequence (the dense mask of `sdpa` costs batch x seq^2 memory there, and with
+    grouped-query heads it sends SDPA to its math kernel), else `sdpa`."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {choice!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if choice == "auto":
-        return "flex" if device.type == "cuda" and has_documents else "sdpa"
+        masked = has_documents or (window is not None and (seq is None or window < seq))
+        return "flex" if device.type == "cuda" and masked else "sdpa"
     return choice
+
+
+@functools.cache
+def sdpa_priority(device: torch.device) -> list | None:
+    """SDPA backends in order of preference where torch's default order is not the best: on NVIDIA Hopper
+    (SM90), cuDNN, then Flash, then memory-efficient, then math (torchtitan pins cuDNN first there); None: torch's
+    default (CPU, ROCm, other GPUs)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -169,14 +190,17 @@ class AttentionMask:
 
 
 def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
-                   device: torch.device, needs_grad: bool, window: int | None = None) -> AttentionMask:
+                   device: torch.device, needs_grad: bool, window: int | None = None,
+                   offsets: torch.Tensor | None = None) -> AttentionMask:
     """Causal attention within documents (and within a sliding `window` of tokens, itself included, when
     given) for the backend `choice` resolves to on `device`.
 
     `document_ids` (batch, seq): each document is one run of equal ids in its row, padding is -1 and attends
-    only to padding (causally, so no row of scores is empty). None: each row is one document.
+    only to padding (causally, so no row of scores is empty). None: each row is one document. `offsets`: the
+    batch's `document_offsets`, made on the host by the loader (varlen; else computed here, which waits for the
+    device).
     """
-    backend = resolve_attention(choice, device, document_ids is not None)
+    backend = resolve_attention(choice, device, document_ids is not None, window, seq)
     if backend == "sdpa":
         plain = document_ids is None and (window is None or window >= seq)
         return AttentionMask("sdpa", window, dense=None if plain else
@@ -194,8 +218,11 @@ def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, s
         raise ValueError(f"model.attention = 'varlen' needs torch.nn.attention.varlen.varlen_attn, which torch "
                          f"{torch.__version__} does not have: use 'flex' or 'sdpa'")
     # max_len bounds every document by its row's length: the exact maximum would wait for the device again.
-    return AttentionMask("varlen", window, cu_seqlens=document_offsets(document_ids, batch, seq, device),
-                         max_len=seq)
+    if offsets is None:
+        offsets = document_offsets(document_ids, batch, seq, device)
+    # One compiled graph for every number of documents, not one per count.
+    torch._dynamo.maybe_mark_dynamic(offsets, 0)
+    return AttentionMask("varlen", window, cu_seqlens=offsets.to(device=device, dtype=torch.int32), max_len=seq)
 
 
 def cached_attention_mask(start: int, seq: int, device: torch.device, window: int | None) -> AttentionMask:
@@ -245,11 +272,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     Every backend computes the same causal, within-document (and within-window) softmax attention with
     `scale` (None: 1/sqrt(head_dim)).
     """
+    if torch.is_autocast_enabled(q.device.type):
+        # QK-norm with float32 weights makes q and k float32 while v is in the autocast dtype; kernels want one
+        # dtype (varlen refuses float32). torchtitan casts the same way before its kernels.
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if mask.backend == "sdpa":
-        if mask.dense is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True, scale=scale)
+        priority = sdpa_priority(q.device)
+        context = contextlib.nullcontext() if priority is None else sdpa_kernel(priority, set_priority=True)
+        with context:
+            if mask.dense is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+            else:
+                if q.is_cuda and k.shape[1] != q.shape[1]:
+                    # A mask with enable_gqa leaves CUDA SDPA only its math kernel: give it whole heads.
+                    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True, scale=scale)
         return out.transpose(1, 2)
     if mask.backend == "flex":
         return _flex(q.device)[0](q, k, v, block_mask=mask.block_mask, enable_gqa=True,

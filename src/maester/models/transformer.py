@@ -125,9 +125,11 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (batch, seq) -> logits (batch, seq, vocab); with `labels` (batch, seq), the summed
         cross-entropy instead (`maester.models.loss`), computed without the whole batch's logits.
+        `document_offsets`: where each document starts in the flattened batch (`Batch.document_offsets`, made on
+        the host), for varlen attention.
 
         `position_ids` default to 0..seq-1 (after the cached positions with `cache`); with `document_ids` (-1 on
         padding), attention stays within each document. `args.attention` picks the kernel (see
@@ -156,7 +158,7 @@ class Transformer(nn.Module):
                 masks[window] = cached_attention_mask(start, seq, device, window)
             else:
                 masks[window] = attention_mask(self.args.attention, document_ids, bsz, seq, device, needs_grad,
-                                               window)
+                                               window, document_offsets)
         for i, block in enumerate(self.layers.values()):
             cos, sin = ropes[self.layer_ropes[i]]
             if cache is None:

@@ -127,6 +127,19 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def selective_checkpointing_needs_compile(parallel: ParallelConfig, args, document_masking: bool, seq_len: int,
+                                          device_type: str) -> bool:
+    """Whether selective activation checkpointing would run eagerly around FlexAttention's separately compiled
+    kernel on CUDA: a combination that errors or recomputes flex (pytorch#147879; torchtitan warns on it). Then the
+    blocks must be compiled with it. `args`: the model's TransformerArgs."""
+    if parallel.activation_checkpointing != "selective-op" or parallel.compile or device_type != "cuda":
+        return False
+    if args.attention == "flex":
+        return True
+    window = args.sliding_window
+    return args.attention == "auto" and (document_masking or (window is not None and window < seq_len))
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
     """`full`: recompute the whole block in backward; `selective-op`: keep matmul and attention outputs."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

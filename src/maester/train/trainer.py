@@ -29,7 +29,11 @@ from maester.models.build import (
 )
 from maester.parallel.devices import describe_environment
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout
-from maester.parallel.parallelize import parallelize, uses_loss_parallel
+from maester.parallel.parallelize import (
+    parallelize,
+    selective_checkpointing_needs_compile,
+    uses_loss_parallel,
+)
 from maester.progress import progress_bar
 from maester.train.checkpoint import (
     Checkpointer,
@@ -173,7 +177,14 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         args = resolve_args(cfg.model, self.tokenizer.vocab_size, cfg.mup)
-        model = parallelize(build_on_meta(cfg.model, args), self.dims, cfg.parallel, self.device)
+        parallel = cfg.parallel
+        documents = cfg.data.document_masking or cfg.data.mode == "sft"
+        if selective_checkpointing_needs_compile(parallel, args, documents, cfg.data.seq_len, self.device.type):
+            log.warning("parallel.activation_checkpointing = 'selective-op' with FlexAttention needs the blocks "
+                        "compiled (eager selective checkpointing around compiled flex fails or recomputes it): "
+                        "compiling them although parallel.compile = false")
+            parallel = parallel.model_copy(update={"compile": True})
+        model = parallelize(build_on_meta(cfg.model, args), self.dims, parallel, self.device)
         init_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
         self.model = materialize(model, init_device, cfg.training.seed)
         if self.world_size > 1 and self.device.type == "cpu":
@@ -191,8 +202,7 @@ class Trainer:
                                    global_batch=cfg.sequences(t.global_batch_size),
                                    micro_batch=cfg.sequences(t.micro_batch_size),
                                    dp_rank=self.dims.dp_rank if self.world_size > 1 else 0,
-                                   dp_size=self.dims.dp_size, group=self.dp_group,
-                                   pin_memory=self.device.type == "cuda")
+                                   dp_size=self.dims.dp_size, group=self.dp_group)
         self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
         self.step, self.tokens_seen = 0, 0
         self.schedule_start = 0  # steps done before the LR schedule began (its warmup starts at the next step)
@@ -442,7 +452,7 @@ class Trainer:
         for batch in micro_batches:
             with self._loss_context(), autocast_context(self.cfg, self.device), anomaly:
                 loss = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
-                                  labels=batch.labels) / n_labels
+                                  labels=batch.labels, document_offsets=batch.document_offsets) / n_labels
                 if nan:
                     loss = loss * float("nan")
                 (loss * scale).backward()
@@ -463,7 +473,7 @@ class Trainer:
                 batch = batch.to(self.device)
                 with self._loss_context(), autocast_context(self.cfg, self.device):
                     loss_sum = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
-                                          labels=batch.labels)
+                                          labels=batch.labels, document_offsets=batch.document_offsets)
                     totals[i, 0] += full_value(loss_sum.detach())
                 totals[i, 1] += (batch.labels != IGNORE_INDEX).sum()
         self.model.train()

@@ -1,0 +1,146 @@
+"""Which kernel each attention call gets on a GPU, decided without one: the routing (F5), one dtype into the
+kernel under autocast (F6), document offsets made on the host (F16), SDPA's backend order (F18) and the compile
+that selective checkpointing with FlexAttention needs (F12). The CUDA tests run on a GPU (`-m cuda`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from maester.config import load_config
+from maester.data.loader import make_batch
+from maester.models import layers
+from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.layers import document_offsets, resolve_attention, sdpa_priority
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("choice, device, documents, window, seq, expected", [
+    ("auto", CUDA, True, None, 128, "flex"),      # documents need a mask
+    ("auto", CUDA, False, 64, 128, "flex"),       # so does a sliding window shorter than the sequence
+    ("auto", CUDA, False, 128, 128, "sdpa"),      # a window as long as the sequence is plain causal
+    ("auto", CUDA, False, None, 128, "sdpa"),
+    ("auto", CPU, True, 64, 128, "sdpa"),         # flex has no backward on CPU
+    ("sdpa", CUDA, True, None, 128, "sdpa"),      # an explicit choice is kept
+    ("varlen", CUDA, True, None, 128, "varlen"),
+])
+def test_auto_routes_every_masked_cuda_call_to_flex(choice, device, documents, window, seq, expected):
+    assert resolve_attention(choice, device, documents, window, seq) == expected
+
+
+def tiny(name: str, precision_dtype=None):
+    cfg = load_config(None, [f"--model.name={name}", "--model.flavor=tiny"], environ={})
+    return materialize(build_on_meta(cfg.model, resolve_args(cfg.model, 256, cfg.mup)), CPU, 0)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma3"])
+def test_qk_norm_models_give_the_kernel_one_dtype_under_autocast(name, monkeypatch):
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def record(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return original(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", record)
+    model = tiny(name)  # float32 weights: the QK-norm output is float32 while v is bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 256, (2, 16)))
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
+
+
+def test_loader_offsets_equal_the_device_computation():
+    rows = torch.randint(3, 50, (3, 65))
+    rows[0, [5, 20, 21]] = 1
+    rows[2, 40] = 1
+    batch = make_batch(rows, document_masking=True, eos_id=1)
+    assert batch.document_offsets.dtype == torch.int32
+    assert torch.equal(batch.document_offsets, document_offsets(batch.document_ids, 3, 64, CPU))
+    assert make_batch(rows, document_masking=False, eos_id=1).document_offsets is None
+
+
+def test_sft_batches_carry_offsets(tmp_path):
+    import json
+
+    from maester.data.loader import build_loader
+    from maester.data.tokenizers import build_tokenizer
+    from tests.data.test_sft import write_conversations
+
+    chats = tmp_path / "chats.jsonl"
+    write_conversations(chats, 20)
+    cfg = load_config(None, ["--data.mode=sft", "--data.seq_len=128",
+                             f"--data.sources={json.dumps([{'path': str(chats)}])}"], environ={})
+    loader = build_loader(cfg.data, cfg.tokenizer, build_tokenizer(cfg.tokenizer), seed=0, global_batch=4,
+                          micro_batch=2)
+    for batch in loader.next_step():
+        assert torch.equal(batch.document_offsets, document_offsets(batch.document_ids, 2, 128, CPU))
+
+
+def test_sdpa_keeps_torch_order_off_hopper():
+    assert sdpa_priority(CPU) is None
+
+
+@pytest.mark.parametrize("attention, documents, window, compile_, device, expected", [
+    ("auto", True, None, False, "cuda", True),
+    ("flex", False, None, False, "cuda", True),
+    ("auto", False, 64, False, "cuda", True),
+    ("auto", False, None, False, "cuda", False),   # no mask: SDPA
+    ("auto", True, None, True, "cuda", False),     # compiled already
+    ("auto", True, None, False, "cpu", False),     # CPU: SDPA
+    ("sdpa", True, None, False, "cuda", False),
+])
+def test_selective_checkpointing_with_flex_forces_compile(attention, documents, window, compile_, device, expected):
+    from types import SimpleNamespace
+
+    from maester.config import ParallelConfig
+    from maester.parallel.parallelize import selective_checkpointing_needs_compile
+
+    parallel = ParallelConfig(activation_checkpointing="selective-op", compile=compile_)
+    args = SimpleNamespace(attention=attention, sliding_window=window)
+    assert selective_checkpointing_needs_compile(parallel, args, documents, 128, device) is expected
+    full = ParallelConfig(activation_checkpointing="full", compile=False)
+    assert not selective_checkpointing_needs_compile(full, args, documents, 128, device)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_masked_grouped_sdpa_avoids_the_math_kernel():  # pragma: no cover - GPU check
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(2, 256, dtype=torch.long, device="cuda")
+    ids[:, 100:] = 1
+    mask = layers.attention_mask("sdpa", ids, 2, 256, q.device, needs_grad=False)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        out = layers.attend(q, k, v, mask)
+    assert out.shape == (2, 256, 8, 64)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_varlen_takes_qk_norm_models_with_float32_weights():  # pragma: no cover - GPU check
+    model = tiny("qwen3").cuda()
+    model.args.attention = "varlen"
+    tokens = torch.randint(0, 256, (2, 64), device="cuda")
+    ids = torch.zeros(2, 64, dtype=torch.long, device="cuda")
+    ids[:, 30:] = 1
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(tokens, document_ids=ids, labels=tokens)
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_hopper_prefers_cudnn_then_flash():  # pragma: no cover - GPU check
+    from torch.nn.attention import SDPBackend
+
+    order = sdpa_priority(torch.device("cuda", 0))
+    if torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0):
+        assert order[:2] == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    else:
+        assert order is None
