@@ -79,9 +79,17 @@ def main() -> None:
     from maester.train.trainer import Trainer
 
     cfg = load_config(None, overrides, environ={})
-    Trainer(cfg, cfg.job_dir).train()
+    trainer = Trainer(cfg, cfg.job_dir)
+    ddp_sync: list[bool] = []  # under DDP: whether each forward's backward all-reduces the gradients
+    if trainer.dims.ddp_enabled:
+        from torch.distributed._composable import replicate
+
+        trainer.model.register_forward_pre_hook(
+            lambda module, args: ddp_sync.append(not replicate.state(module)._no_sync) if module.training else None)
+    trainer.train()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank-{dist.get_rank()}.json").write_text(json.dumps(records))
+    (out_dir / f"ddp-sync-{dist.get_rank()}.json").write_text(json.dumps(ddp_sync))
     dist.destroy_process_group()
 
 

@@ -20,7 +20,7 @@ from tests.helpers import REPO, clean_env, tiny_overrides, write_corpus
 import subprocess
 
 
-def audit(tmp_path, name, overrides) -> list[dict]:
+def audit(tmp_path, name, overrides, ddp_sync: list | None = None) -> list[dict]:
     out = tmp_path / f"audit-{name}"
     env = clean_env(OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -28,6 +28,8 @@ def audit(tmp_path, name, overrides) -> list[dict]:
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if ddp_sync is not None:
+        ddp_sync.extend(json.loads((out / "ddp-sync-0.json").read_text()))
     return [r for rank in (0, 1) for r in json.loads((out / f"rank-{rank}.json").read_text())]
 
 
@@ -69,3 +71,14 @@ def test_sft_collectives_reach_a_backend_for_their_device(tmp_path):
     assert unserved(records) == []
     callers = {r["caller"] for r in records}
     assert {"sft.py:_trained_everywhere", "trainer.py:evaluate"} <= callers, callers
+
+
+def test_ddp_collectives_and_one_gradient_all_reduce_per_step(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.parquet")
+    sync: list = []
+    records = audit(tmp_path, "ddp", tiny_overrides(
+        corpus, tmp_path / "jobs", "ddp", training__steps=3, parallel__dp_replicate=2, parallel__dp_shard=1,
+        training__global_batch_size=8, training__micro_batch_size=2, checkpoint__interval=0), ddp_sync=sync)
+    assert unserved(records) == []
+    # two micro-batches per rank and step: the first accumulates without syncing, the last all-reduces
+    assert sync == [False, True] * 3

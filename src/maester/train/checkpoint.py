@@ -105,6 +105,26 @@ class Checkpointer:
             return None
         return resolve_checkpoint(link)
 
+    def latest_agreed(self) -> Path | None:
+        """`latest` as rank 0 resolves it, on every rank (a collective). Ranks that each read the link can
+        disagree right after a requeue, where a shared filesystem caches attributes per node."""
+        import torch.distributed as dist
+
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.latest()
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                latest = self.latest()
+                box[0] = ("ok", None if latest is None else str(latest))
+            except ValueError as e:
+                box[0] = ("error", str(e))
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise ValueError(value)
+        return None if value is None else Path(value)
+
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict,
              config_json: str) -> Path:
         """Write checkpoint `step` (a collective call: every rank writes its shards), then move `latest` to it.

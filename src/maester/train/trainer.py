@@ -220,7 +220,7 @@ class Trainer:
         `checkpoint.init_from` that `checkpoint.load_mode` names (of an `hf:` directory, the weights only); else start
         fresh at `checkpoint.step_offset`."""
         c, total = self.cfg.checkpoint, self.cfg.training.steps
-        latest = self.checkpointer.latest()
+        latest = self.checkpointer.latest_agreed()  # every rank resumes from rank 0's choice
         if latest is not None and not read_trainer_state(latest).get("seed_checkpoint"):
             state = self.checkpointer.load(latest, self.model, self.optimizer, "continue")
             self._take_trainer_state(state, LOAD_MODES["continue"])
@@ -449,7 +449,9 @@ class Trainer:
         nan = fault_at("nan_loss", self.step)
         anomaly = torch.autograd.detect_anomaly(check_nan=True) if self.cfg.training.detect_anomaly else \
             contextlib.nullcontext()
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
+            if self.dims.ddp_enabled:  # DDP all-reduces the gradients once, after the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             with self._loss_context(), autocast_context(self.cfg, self.device), anomaly:
                 loss = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
                                   labels=batch.labels, document_offsets=batch.document_offsets) / n_labels

@@ -1,0 +1,23 @@
+"""Run under torchrun with 2 processes: each rank's Checkpointer looks at its own directory (as two nodes whose
+filesystem caches disagree), and every rank must resume from rank 0's `latest`. Prints one JSON line per rank."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from maester.config import CheckpointConfig
+from maester.train.checkpoint import Checkpointer
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+job = Path(sys.argv[1]) / f"view-{rank}"
+try:
+    got = Checkpointer(job, CheckpointConfig(), rank).latest_agreed()
+    print(json.dumps({"rank": rank, "latest": None if got is None else str(got)}), flush=True)
+except ValueError as e:
+    print(json.dumps({"rank": rank, "error": str(e)}), flush=True)
+dist.destroy_process_group()

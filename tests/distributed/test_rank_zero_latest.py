@@ -1,0 +1,45 @@
+"""Every rank resumes from the checkpoint rank 0 resolves `latest` to, and fails with rank 0's error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers import REPO, clean_env
+
+
+def run(tmp_path) -> dict[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests" / "distributed" / "rank_zero_latest.py"), str(tmp_path)],
+                          env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {line["rank"]: line for line in lines}
+
+
+def view(tmp_path, rank: int, steps: list[int], latest: int | None):
+    ckpt = tmp_path / f"view-{rank}" / "checkpoints"
+    for step in steps:
+        (ckpt / f"step-{step}").mkdir(parents=True)
+        (ckpt / f"step-{step}" / ".metadata").write_text("")
+        (ckpt / f"step-{step}" / "trainer_state.json").write_text("{}")
+    if latest is not None:
+        os.symlink(f"step-{latest}", ckpt / "latest")
+
+
+def test_ranks_take_rank_zero_latest(tmp_path):
+    view(tmp_path, 0, [2, 4], latest=4)
+    view(tmp_path, 1, [2], latest=2)  # a stale view of the same directory
+    out = run(tmp_path)
+    assert out[0]["latest"].endswith("view-0/checkpoints/step-4")
+    assert out[1]["latest"] == out[0]["latest"]
+
+
+def test_rank_zero_error_reaches_every_rank(tmp_path):
+    view(tmp_path, 0, [2], latest=None)
+    os.symlink("step-9", tmp_path / "view-0" / "checkpoints" / "latest")  # points to nothing
+    view(tmp_path, 1, [2], latest=2)
+    out = run(tmp_path)
+    assert "missing checkpoint" in out[0]["error"] and out[1]["error"] == out[0]["error"]
