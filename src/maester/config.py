@@ -641,7 +641,8 @@ class SlurmConfig(Section):
     nproc_per_node: int | None = Field(None, ge=1)
     """Training processes per node; None: `gpus_per_node`, or 1 without GPUs."""
     cpus_per_task: int | None = Field(None, ge=1)
-    """CPUs of each node's task (the torchrun launcher and all its workers); None: the cluster's default."""
+    """CPUs of each node's task (the torchrun launcher and all its workers); None: 8 per GPU with GPUs (many
+    clusters give a task one core by default), else the cluster's default. Passed on to srun."""
     mem: str | None = None
     """`--mem` per node, e.g. `"480G"`; None: the cluster's default."""
     partition: str | None = None

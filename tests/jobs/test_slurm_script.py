@@ -123,3 +123,25 @@ def test_launch_runs_the_job_here_with_the_slurm_log_layout(corpus, tmp_path):
     assert "exited with status 0" in (logs / "latest.err").read_text()
     assert (job / "metrics.jsonl").is_file()
     assert (job / "checkpoints" / "latest").exists()
+
+
+def test_cpus_per_task_follows_the_gpus_and_reaches_srun():
+    def script(*overrides):
+        return render_slurm_script(load_config(DEMO_CONFIG, list(overrides), environ={}), JOB_DIR, WORKDIR)
+
+    lines = script("--slurm.gpus_per_node=4").splitlines()
+    assert "#SBATCH --cpus-per-task=32" in lines  # 8 cores per GPU when unset
+    assert 'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi' in lines
+    assert "#SBATCH --cpus-per-task=20" in script("--slurm.gpus_per_node=4", "--slurm.cpus_per_task=20").splitlines()
+    assert not any(line.startswith("#SBATCH --cpus-per-task") for line in script().splitlines())  # CPU job
+
+
+def test_lumi_script_sets_up_the_network_binding_and_caches():
+    lumi = render("lumi")
+    lines = lumi.splitlines()
+    for line in ("module use /appl/local/laifs/modules", "module load lumi-aif-singularity-bindings",
+                 "export CXI_FORK_SAFE=1", "export CXI_FORK_SAFE_HP=1", 'mkdir -p "$MIOPEN_USER_DB_PATH"'):
+        assert line in lines, line
+    assert lines.index('mkdir -p "$MIOPEN_USER_DB_PATH"') > lines.index(
+        'export MIOPEN_USER_DB_PATH="/tmp/${USER}-miopen-${SLURM_JOB_ID}"')
+    assert "--numa-binding=exclusive" in lumi and "--numa-binding" not in render("default")

@@ -20,6 +20,8 @@ from maester.config import Config
 
 TEMPLATES = {"default": "default.sh.j2", "lumi": "lumi.sh.j2"}
 # What a preset assumes for the fields a config leaves at their defaults (LUMI-G: 8 GCDs and 56 cores a node).
+CPUS_PER_GPU = 8
+"""Cores per GPU when `slurm.cpus_per_task` is unset: the launcher, one rank per GPU and its loader workers."""
 PRESETS = {"lumi": dict(gpus_per_node=8, cpus_per_task=56, mem="0", partition="standard-g")}
 JOB_IDS_FILE = "slurm_jobs.jsonl"
 
@@ -66,6 +68,8 @@ def render_slurm_script(cfg: Config, job_dir: Path, workdir: Path | None = None)
     s = cfg.slurm
     preset = {k: v for k, v in PRESETS.get(s.template, {}).items() if getattr(s, k) == type(s).model_fields[k].default}
     s = s.model_copy(update=preset)
+    if s.cpus_per_task is None and s.gpus_per_node:  # the cluster's default is often one core per task
+        s = s.model_copy(update={"cpus_per_task": CPUS_PER_GPU * s.gpus_per_node})
     search, name = _template_source(s.template)
     python = s.python or ("python3" if s.container.runtime != "none" else sys.executable)
     context = dict(job_name=cfg.job.name, job_dir=str(job_dir), workdir=str(workdir), slurm=s,

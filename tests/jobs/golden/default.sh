@@ -37,6 +37,10 @@ rm -f "$JOB_DIR/stop-requested" "$JOB_DIR/requeue-requested"
 # SLURM's warning before the time limit reaches this shell only: ask the trainer to checkpoint and stop.
 trap 'echo "[$(date +%T)] time limit near: asking the trainer to checkpoint"; touch "$JOB_DIR/stop-requested"' USR1
 
+# srun does not inherit sbatch's --cpus-per-task (SLURM 22.05 and later): without this the launcher and all its
+# workers share one core.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi
+
 srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run \
   --nnodes="$SLURM_NNODES" --nproc_per_node=4 \
   --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \

@@ -16,12 +16,22 @@
 #SBATCH --output=/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.out
 #SBATCH --error=/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.err
 
-# RCCL over the Slingshot interconnect (the four hsn NICs), MIOpen caches off the shared filesystem.
+# The container's access to the Slingshot network (libfabric/CXI): without these binds RCCL falls back to TCP
+# sockets (the LUMI AI guide loads the same module).
+module use /appl/local/laifs/modules
+module load lumi-aif-singularity-bindings
+# RCCL over the Slingshot interconnect (the four hsn NICs); host collectives (gloo) over the first of them.
 export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3
+export GLOO_SOCKET_IFNAME=hsn0
 export NCCL_NET_GDR_LEVEL=PHB
 export FI_CXI_DISABLE_CQ_HUGETLB=1
+# DataLoader workers fork after RCCL/libfabric set up: keep the CXI provider's memory registrations fork-safe.
+export CXI_FORK_SAFE=1
+export CXI_FORK_SAFE_HP=1
+# MIOpen caches on the node's local disk, not the shared filesystem; MIOpen does not create the directory.
 export MIOPEN_USER_DB_PATH="/tmp/${USER}-miopen-${SLURM_JOB_ID}"
 export MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
+mkdir -p "$MIOPEN_USER_DB_PATH"
 export OMP_NUM_THREADS=7
 
 set -uo pipefail
@@ -41,8 +51,12 @@ rm -f "$JOB_DIR/stop-requested" "$JOB_DIR/requeue-requested"
 # SLURM's warning before the time limit reaches this shell only: ask the trainer to checkpoint and stop.
 trap 'echo "[$(date +%T)] time limit near: asking the trainer to checkpoint"; touch "$JOB_DIR/stop-requested"' USR1
 
+# srun does not inherit sbatch's --cpus-per-task (SLURM 22.05 and later): without this the launcher and all its
+# workers share one core.
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi
+
 srun --kill-on-bad-exit=1 singularity exec --bind=/scratch/project_465000001/maester --bind=/scratch/project_465000001/maester/jobs/llama-8b --bind=/scratch/project_465000001 --bind=/flash/project_465000001 /appl/local/containers/rocm-pytorch.sif /opt/venv/bin/python -m torch.distributed.run \
-  --nnodes="$SLURM_NNODES" --nproc_per_node=8 \
+  --nnodes="$SLURM_NNODES" --nproc_per_node=8 --numa-binding=exclusive \
   --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \
   -m maester train "$JOB_DIR" &
 SRUN_PID=$!
