@@ -31,7 +31,7 @@ log = logging.getLogger("maester")
 # Dense (non-sparse) BF16 peak FLOP/s per device, one GCD for MI250X/MI250. The longest key contained in the device
 # name wins ("H200 NVL" over "H200", "GB200" over "B200"). Figures from the vendors' datasheets (sparse figures
 # halved): NVIDIA H100, H200, GH200 Grace Hopper, HGX B200 and GB200 NVL72 datasheets; AMD Instinct MI210, MI250,
-# MI250X, MI300A, MI300X and MI325X datasheets.
+# MI250X, MI300A, MI300X, MI325X and MI355X datasheets; the Blackwell figures agree with torchtitan's get_peak_flops.
 PEAK_FLOPS: list[tuple[str, float]] = [
     ("H100", 989e12),  # SXM
     ("H100 NVL", 835e12),
@@ -41,6 +41,8 @@ PEAK_FLOPS: list[tuple[str, float]] = [
     ("GH200", 989e12),
     ("B200", 2250e12),  # HGX B200: 18 PFLOPS sparse per 8 GPUs
     ("GB200", 2500e12),  # GB200 NVL72: 360 PFLOPS sparse per 72 GPUs
+    ("B300", 2250e12),
+    ("GB300", 2500e12),
     ("A100", 312e12),
     ("MI210", 181e12),
     ("MI250", 181e12),  # per GCD
@@ -48,6 +50,7 @@ PEAK_FLOPS: list[tuple[str, float]] = [
     ("MI300A", 980.6e12),
     ("MI300X", 1307.4e12),
     ("MI325X", 1307.4e12),
+    ("MI355X", 2500e12),
 ]
 
 # ROCm architecture (`gcnArchName`) to peak, for devices whose name is empty or unknown (some containers report "").
