@@ -142,13 +142,26 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp_ranks_other_than_0_never_open_the_weight_files(source, tmp_path):
-    """Rank 1 is pointed at a directory whose weights cannot be read; it gets rank 0's weights by broadcast."""
-    import shutil
+def run_ranks(root, corpus, overrides, tmp_path):
+    """RANK_SCRIPT on two processes under torchrun."""
     import subprocess
     import sys
+    from pathlib import Path
 
     from tests.helpers import clean_env
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(root), str(corpus), *[f"{k}={v}" for k, v in overrides.items()]],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def check_ranks_other_than_0_never_open_the_weight_files(source, tmp_path, **extra):
+    """Rank 1 is pointed at a directory whose weights cannot be read; it gets rank 0's weights by broadcast."""
+    import shutil
 
     root, hf, corpus, overrides = source
     trap = root / "trap"
@@ -157,16 +170,12 @@ def test_fsdp_ranks_other_than_0_never_open_the_weight_files(source, tmp_path):
     (trap / "model.safetensors").write_bytes(b"\0" * 64)
     with pytest.raises(Exception):
         read_hf_tensors(trap)  # the trap is real: any rank that reads it fails
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(__import__("pathlib").Path(__file__).parents[2]))
-    args = [f"{k}={v}" for k, v in overrides.items()]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), str(root), str(corpus), *args], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    for rank in (0, 1):
+        (root / f"rank{rank}.pt").unlink(missing_ok=True)
+    run = run_ranks(root, corpus, dict(overrides, **extra), tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
-    name, args_ = tiny_args(CASE)
-    expected = state_dict_from_hf(name, args_, read_hf_tensors(root / "hf"))
+    name, args = tiny_args(CASE)
+    expected = state_dict_from_hf(name, args, read_hf_tensors(root / "hf"))
     for rank in (0, 1):
         got = torch.load(root / f"rank{rank}.pt")
         assert set(got["state"]) >= set(expected)
@@ -177,21 +186,22 @@ def test_fsdp_ranks_other_than_0_never_open_the_weight_files(source, tmp_path):
     assert [p for p in opened if p.startswith(str(trap)) or "safetensors" in p] == []
 
 
+def test_fsdp_ranks_other_than_0_never_open_the_weight_files(source, tmp_path):
+    check_ranks_other_than_0_never_open_the_weight_files(source, tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one NCCL rank each)")
+def test_fsdp_ranks_other_than_0_never_open_the_weight_files_on_nccl(source, tmp_path):
+    check_ranks_other_than_0_never_open_the_weight_files(source, tmp_path, training__device="cuda",
+                                                         training__precision="fp32")
+
+
 def test_an_error_on_rank_0_is_raised_on_every_rank(source, tmp_path):
-    import subprocess
-    import sys
-
-    from tests.helpers import clean_env
-
     root, hf, corpus, overrides = source
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(__import__("pathlib").Path(__file__).parents[2]))
     bad = dict(overrides, checkpoint__init_from=f"hf:{root / 'missing'}", model__hf_config=str(root / "hf"))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), str(root), str(corpus), *[f"{k}={v}" for k, v in bad.items()]],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                         stdin=subprocess.DEVNULL)
+    run = run_ranks(root, corpus, bad, tmp_path)
     assert run.returncode != 0
     assert "rank 0 raised HFFormatError" in run.stderr, run.stderr[-4000:]
     assert "rank 1 raised RuntimeError" in run.stderr and "rank 0 could not load" in run.stderr, run.stderr[-4000:]
