@@ -112,3 +112,96 @@ def test_load_modes_that_take_more_than_weights_are_refused(mode):
         load_config(None, ["--checkpoint.init_from=hf:some/dir", f"--checkpoint.load_mode={mode}"], environ={})
     with pytest.raises(ConfigError, match="give the Hugging Face model directory"):
         load_config(None, ["--checkpoint.init_from=hf:"], environ={})
+
+
+RANK_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from pathlib import Path
+from maester.config import load_config
+from maester.train.trainer import Trainer
+from tests.helpers import tiny_overrides
+
+root, corpus, overrides = Path(sys.argv[1]), Path(sys.argv[2]), dict(a.split("=", 1) for a in sys.argv[3:])
+rank = int(__import__("os").environ["RANK"])
+opened = []
+if rank != 0:
+    weights = (str(root / "hf") + "/", str(root / "trap") + "/")
+    sys.addaudithook(lambda event, args: opened.append(str(args[0]))
+                     if event == "open" and str(args[0]).startswith(weights) else None)
+    overrides["checkpoint__init_from"] = f"hf:{root / 'trap'}"  # unreadable weights: reading them fails
+cfg = load_config(None, tiny_overrides(corpus, root / "jobs", f"bcast{rank}", **overrides), environ={})
+try:
+    trainer = Trainer(cfg, cfg.job_dir)
+except Exception as e:
+    print(f"rank {rank} raised {type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(3)
+full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+        for k, v in trainer.model.state_dict().items()}
+torch.save({"state": full, "opened": opened}, root / f"rank{rank}.pt")
+dist.destroy_process_group()
+"""
+
+
+def run_ranks(root, corpus, overrides, tmp_path):
+    """RANK_SCRIPT on two processes under torchrun."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import clean_env
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(root), str(corpus), *[f"{k}={v}" for k, v in overrides.items()]],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def check_ranks_other_than_0_never_open_the_weight_files(source, tmp_path, **extra):
+    """Rank 1 is pointed at a directory whose weights cannot be read; it gets rank 0's weights by broadcast."""
+    import shutil
+
+    root, hf, corpus, overrides = source
+    trap = root / "trap"
+    trap.mkdir(exist_ok=True)
+    shutil.copy(root / "hf" / "config.json", trap / "config.json")
+    (trap / "model.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(Exception):
+        read_hf_tensors(trap)  # the trap is real: any rank that reads it fails
+    for rank in (0, 1):
+        (root / f"rank{rank}.pt").unlink(missing_ok=True)
+    run = run_ranks(root, corpus, dict(overrides, **extra), tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    name, args = tiny_args(CASE)
+    expected = state_dict_from_hf(name, args, read_hf_tensors(root / "hf"))
+    for rank in (0, 1):
+        got = torch.load(root / f"rank{rank}.pt")
+        assert set(got["state"]) >= set(expected)
+        assert all(torch.equal(got["state"][k], v) for k, v in expected.items()), rank
+    # rank 1 reads the run's architecture (model.hf_config) but nothing of the directory it was told to load
+    opened = torch.load(root / "rank1.pt")["opened"]
+    assert str(root / "hf" / "config.json") in opened
+    assert [p for p in opened if p.startswith(str(trap)) or "safetensors" in p] == []
+
+
+def test_fsdp_ranks_other_than_0_never_open_the_weight_files(source, tmp_path):
+    check_ranks_other_than_0_never_open_the_weight_files(source, tmp_path)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one NCCL rank each)")
+def test_fsdp_ranks_other_than_0_never_open_the_weight_files_on_nccl(source, tmp_path):
+    check_ranks_other_than_0_never_open_the_weight_files(source, tmp_path, training__device="cuda",
+                                                         training__precision="fp32")
+
+
+def test_an_error_on_rank_0_is_raised_on_every_rank(source, tmp_path):
+    root, hf, corpus, overrides = source
+    bad = dict(overrides, checkpoint__init_from=f"hf:{root / 'missing'}", model__hf_config=str(root / "hf"))
+    run = run_ranks(root, corpus, bad, tmp_path)
+    assert run.returncode != 0
+    assert "rank 0 raised HFFormatError" in run.stderr, run.stderr[-4000:]
+    assert "rank 1 raised RuntimeError" in run.stderr and "rank 0 could not load" in run.stderr, run.stderr[-4000:]

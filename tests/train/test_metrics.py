@@ -7,11 +7,12 @@ import logging
 import re
 
 import pytest
+import torch
 
 from maester.config import ModelConfig
 from maester.models.build import build_on_meta, count_parameters, resolve_args
-from maester.train.metrics import (MetricsWriter, flops_per_token, matmul_parameters, model_flops_per_token,
-                                   peak_flops, read_metrics)
+from maester.train.metrics import (PEAK_FLOPS, MetricsWriter, device_peak_flops, flops_per_token,
+                                   matmul_parameters, model_flops_per_token, peak_flops, read_metrics)
 
 
 def meta_model(**overrides):
@@ -96,19 +97,56 @@ def test_matmul_parameters_of_a_real_flavor():
     ("NVIDIA H100 NVL", 835e12),
     ("NVIDIA H100 PCIe", 756e12),
     ("NVIDIA H200", 989e12),
-    ("NVIDIA H200 NVL", 989e12),
+    ("NVIDIA H200 NVL", 835e12),
+    ("NVIDIA GH200 480GB", 989e12),
+    ("NVIDIA B200", 2250e12),
+    ("NVIDIA GB200", 2500e12),
+    ("NVIDIA B300 SXM6 AC", 2250e12),
+    ("NVIDIA GB300", 2500e12),
     ("NVIDIA A100-SXM4-80GB", 312e12),
     ("NVIDIA A100-PCIE-40GB", 312e12),
+    ("AMD Instinct MI210", 181e12),
     ("AMD Instinct MI250X", 191.5e12),
     ("AMD Instinct MI250X/MI250", 191.5e12),
+    ("AMD Instinct MI250X / MI250", 191.5e12),
     ("AMD Instinct MI250", 181e12),
-    ("AMD Instinct MI300X", 1307e12),
+    ("AMD Instinct MI300A", 980.6e12),
+    ("AMD Instinct MI300X", 1307.4e12),
+    ("AMD Instinct MI325X", 1307.4e12),
+    ("AMD Instinct MI355X", 2500e12),
     ("NVIDIA GeForce RTX 4090", None),
     ("Tesla V100-SXM2-32GB", None),
     ("", None),
 ])
 def test_peak_flops_table(name, expected):
     assert peak_flops(name) == expected
+
+
+@pytest.mark.parametrize("name, arch, expected", [
+    ("", "gfx90a:sramecc+:xnack-", 191.5e12),
+    ("", "gfx942", 1307.4e12),
+    ("AMD Radeon Graphics", "gfx942:sramecc+:xnack-", 1307.4e12),
+    ("AMD Instinct MI300A", "gfx942", 980.6e12),  # a known name wins over the architecture
+    ("", "gfx1100", None),
+    ("", "", None),
+])
+def test_peak_flops_falls_back_to_the_rocm_architecture(name, arch, expected):
+    assert peak_flops(name, arch) == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_device_peak_is_read_from_its_name_and_architecture():
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    expected = peak_flops(torch.cuda.get_device_name(device), getattr(props, "gcnArchName", "") or "")
+    assert device_peak_flops(device) == expected
+    assert device_peak_flops(torch.device("cpu")) is None
+
+
+def test_peak_flops_keys_are_unique():
+    keys = [key for key, _ in PEAK_FLOPS]
+    assert len(keys) == len(set(keys))
 
 
 # ---------------------------------------------------------------- metrics.jsonl

@@ -28,24 +28,46 @@ from maester.train.sinks import Sink, open_sinks, scalars
 
 log = logging.getLogger("maester")
 
-# Dense BF16 peak FLOP/s per device (one GCD for MI250X). Matched by substring in this order.
+# Dense (non-sparse) BF16 peak FLOP/s per device, one GCD for MI250X/MI250. The longest key contained in the device
+# name wins ("H200 NVL" over "H200", "GB200" over "B200"). Figures from the vendors' datasheets (sparse figures
+# halved): NVIDIA H100, H200, GH200 Grace Hopper, HGX B200 and GB200 NVL72 datasheets; AMD Instinct MI210, MI250,
+# MI250X, MI300A, MI300X, MI325X and MI355X datasheets; the Blackwell figures agree with torchtitan's get_peak_flops.
 PEAK_FLOPS: list[tuple[str, float]] = [
-    ("H200", 989e12),
+    ("H100", 989e12),  # SXM
     ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM
+    ("H200", 989e12),  # SXM
+    ("H200 NVL", 835e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),  # HGX B200: 18 PFLOPS sparse per 8 GPUs
+    ("GB200", 2500e12),  # GB200 NVL72: 360 PFLOPS sparse per 72 GPUs
+    ("B300", 2250e12),
+    ("GB300", 2500e12),
     ("A100", 312e12),
-    ("MI300X", 1307e12),
-    ("MI250X", 191.5e12),
-    ("MI250", 181e12),  # MI250 (not X), per GCD
+    ("MI210", 181e12),
+    ("MI250", 181e12),  # per GCD
+    ("MI250X", 191.5e12),  # per GCD
+    ("MI300A", 980.6e12),
+    ("MI300X", 1307.4e12),
+    ("MI325X", 1307.4e12),
+    ("MI355X", 2500e12),
 ]
 
+# ROCm architecture (`gcnArchName`) to peak, for devices whose name is empty or unknown (some containers report "").
+# gfx90a is MI250X per GCD (MI210/MI250 are 181e12); gfx942 is MI300X/MI325X (MI300A is 980.6e12).
+PEAK_FLOPS_BY_ARCH: dict[str, float] = {
+    "gfx90a": 191.5e12,
+    "gfx942": 1307.4e12,
+}
 
-def peak_flops(device_name: str) -> float | None:
-    for key, flops in PEAK_FLOPS:
-        if key in device_name:
-            return flops
-    return None
+
+def peak_flops(device_name: str, arch: str = "") -> float | None:
+    """Peak of the longest table key in `device_name`, else of the ROCm architecture `arch` (such as
+    "gfx90a:sramecc+:xnack-"), else None."""
+    matches = [(len(key), flops) for key, flops in PEAK_FLOPS if key in device_name]
+    if matches:
+        return max(matches)[1]
+    return PEAK_FLOPS_BY_ARCH.get(arch.split(":")[0])
 
 
 def matmul_parameters(model: nn.Module) -> int:
@@ -79,9 +101,10 @@ def device_peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    peak = peak_flops(name)
+    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or ""
+    peak = peak_flops(name, arch)
     if peak is None:
-        log.warning("no peak-FLOPs figure for %r: MFU is not reported (add it to PEAK_FLOPS)", name)
+        log.warning("no peak-FLOPs figure for %r (arch %r): MFU is not reported (add it to PEAK_FLOPS)", name, arch)
     return peak
 
 
