@@ -262,9 +262,9 @@ def test_bad_value_in_environment():
 
 def test_bad_value_in_file(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("training:\n  precision: fp16\n")
+    path.write_text("training:\n  precision: fp8\n")
     message = _error(path)
-    assert "training.precision" in message and "'fp16'" in message and str(path) in message
+    assert "training.precision" in message and "'fp8'" in message and str(path) in message
 
 
 @pytest.mark.parametrize("override, key, value", [

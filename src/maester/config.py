@@ -289,8 +289,11 @@ class TrainingConfig(Section):
     """Per forward/backward on one rank, in `batch_unit`; accumulation steps are derived."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this; None: no clipping (the norm is still logged)."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """Autocast dtype; `auto` is bf16 on GPU and fp32 on CPU. Parameters and optimizer stay fp32."""
+    precision: Literal["auto", "fp32", "bf16", "bf16-pure", "fp16"] = "auto"
+    """`fp32`; `bf16`: bf16 compute with fp32 parameters and optimizer state (FSDP mixed precision, else
+    autocast); `bf16-pure`: parameters and optimizer state in bf16 too (half the memory, no fp32 master
+    weights); `fp16`: fp16 compute with dynamic loss scaling (GPUs without bf16). `auto`: bf16 on GPU, fp32 on
+    CPU. See `maester.parallel.precision`."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     deterministic: bool = False
     """Use deterministic kernels (`torch.use_deterministic_algorithms`); CPU runs are bitwise repeatable anyway."""
@@ -470,8 +473,9 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1)
     fsdp_reshard_after_forward: bool = True
     """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward)."""
-    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """FSDP compute dtype of parameters; `auto`: bfloat16 on GPU, float32 on CPU."""
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """FSDP compute dtype of parameters; `auto`: the one `training.precision` computes in (another value must
+    agree with it)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP gradient reduction dtype."""
     cpu_offload: bool = False

@@ -78,9 +78,10 @@ def test_layout_matches_one_process(reference, layout):
 
 
 def test_fsdp_bfloat16_parameters_train_close_to_float32(reference):
-    """param_dtype = bfloat16: compute in bf16 (so not bitwise fp32), close to the fp32 curve, reduce in fp32."""
+    """precision = bf16 under FSDP: the mixed-precision policy computes in bf16 (so not bitwise fp32), close to
+    the fp32 curve, reduce in fp32."""
     root, corpus, seed, expected = reference
-    job = prepare_job(root, corpus, seed, "fsdp2_bf16", parallel__param_dtype="bfloat16")
+    job = prepare_job(root, corpus, seed, "fsdp2_bf16", training__precision="bf16")
     run = torchrun(2, ["train", str(job)], root)
     assert run.returncode == 0, run.stderr[-4000:]
     got = losses(job)

@@ -31,17 +31,32 @@ def mup_fields(mup: MupConfig) -> dict:
             "mup_zero_init_readout": mup.zero_init_readout, "mup_zero_init_query": mup.zero_init_query}
 
 
-def build_on_meta(cfg: ModelConfig, args: BaseModel) -> nn.Module:
+def build_on_meta(cfg: ModelConfig, args: BaseModel, param_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model on the meta device, its parameters in `param_dtype` (buffers such as RoPE frequencies stay
+    float32)."""
     with torch.device("meta"):
-        return ARCHITECTURES[cfg.name].model_class()(args)
+        model = ARCHITECTURES[cfg.name].model_class()(args)
+    if param_dtype != torch.float32:
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(p.detach().to(param_dtype), p.requires_grad))
+    return model
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
-    """Allocate a meta-built model on `device` and initialise it from `seed`, identically on every rank."""
+def materialize(model: nn.Module, device: torch.device, seed: int,
+                buffer_device: torch.device | None = None) -> nn.Module:
+    """Allocate a meta-built model on `device` and initialise it from `seed`, identically on every rank. Buffers
+    (RoPE frequencies) go to `buffer_device` when given: with FSDP's CPU offload the parameters live on the CPU
+    while the forward runs on the GPU (torchtitan's buffer_device)."""
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         model.init_weights()
+    if buffer_device is not None and buffer_device != device:
+        for module in model.modules():
+            for name, b in list(module.named_buffers(recurse=False)):
+                module.register_buffer(name, b.to(buffer_device),
+                                       persistent=name not in module._non_persistent_buffers_set)
     return model
 
 

@@ -14,9 +14,12 @@ from torch import nn
 
 from maester.config import ParallelConfig
 from maester.parallel.dims import ParallelDims
+from maester.parallel.precision import DTYPES, Precision, resolve_precision
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device,
+                precision: Precision | None = None) -> nn.Module:
+    """`precision`: the run's (`maester.parallel.precision`); None: `training.precision = "auto"`."""
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"])
     if cfg.activation_checkpointing != "none":
@@ -25,7 +28,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
         apply_compile(model)
     if dims.fsdp_enabled:
         mesh = dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.mesh["dp_shard"]
-        apply_fsdp(model, mesh, cfg, device)
+        apply_fsdp(model, mesh, cfg, device, precision)
     elif dims.ddp_enabled:
         from torch.distributed._composable import replicate
 
@@ -162,16 +165,18 @@ def apply_compile(model: nn.Module) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
-def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device) -> None:
+def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device,
+               precision: Precision | None = None) -> None:
+    """FSDP2 per block, then the root; the mixed-precision policy computes in the precision's dtype (and is the
+    only cast: the trainer runs no autocast under FSDP)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    param_dtype = cfg.param_dtype
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if precision is None:
+        precision = resolve_precision("auto", cfg.param_dtype, device.type, fsdp=True)
     kwargs = {
         "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=dtypes[param_dtype], reduce_dtype=dtypes[cfg.reduce_dtype]),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=precision.fsdp_param_dtype,
+                                          reduce_dtype=DTYPES[cfg.reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     }
     blocks = list(model.layers.values())

@@ -49,7 +49,8 @@ class NonFiniteGuard:
     def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Record step `step`'s finiteness before its optimizer step; False: the caller must not step (only when
         the flag is read on the host)."""
-        bad = (~torch.isfinite(loss.detach()) | ~torch.isfinite(grad_norm.detach())).float()
+        device = self.skipped.device  # the parameters' (CPU under cpu_offload, while the loss is on the GPU)
+        bad = (~torch.isfinite(loss.detach().to(device)) | ~torch.isfinite(grad_norm.detach().to(device))).float()
         if self.group is not None:  # a rank's own loss share may be the only bad one: all ranks must agree
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         self.first_bad = torch.where((self.first_bad == 0) & (bad > 0), step, self.first_bad)

@@ -34,6 +34,7 @@ from maester.parallel.parallelize import (
     selective_checkpointing_needs_compile,
     uses_loss_parallel,
 )
+from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
 from maester.train.checkpoint import (
     Checkpointer,
@@ -42,13 +43,14 @@ from maester.train.checkpoint import (
     resolve_checkpoint,
 )
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
+from maester.train.grad_scaler import LossScaler
 from maester.train.metrics import (
     device_peak_flops,
     model_flops_per_token,
     open_metrics,
     peak_memory_gib,
 )
-from maester.train.nonfinite import NonFiniteError, NonFiniteGuard
+from maester.train.nonfinite import NonFiniteError, NonFiniteGuard, skips_on_device
 from maester.train.optim import build_optimizer
 from maester.train.preemption import (
     REQUEUE_FILE,
@@ -89,15 +91,6 @@ def batch_statistics(batches, device: torch.device) -> torch.Tensor:
     return out
 
 
-def autocast_context(cfg: Config, device: torch.device):
-    precision = cfg.training.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -127,7 +120,7 @@ def setup_logging(job_dir: Path | None = None, rank: int = 0, per_rank_file: boo
             root.addHandler(fh)
 
 
-def copy_single_process_init(model: torch.nn.Module, cfg: Config, args) -> None:
+def copy_single_process_init(model: torch.nn.Module, cfg: Config, args, param_dtype: torch.dtype) -> None:
     """Give a sharded CPU model exactly the weights one process would initialise.
 
     DTensor random ops on CPU draw the same numbers on every rank, so shards would repeat each other; on CPU
@@ -138,7 +131,7 @@ def copy_single_process_init(model: torch.nn.Module, cfg: Config, args) -> None:
         set_model_state_dict,
     )
 
-    full = materialize(build_on_meta(cfg.model, args), torch.device("cpu"), cfg.training.seed)
+    full = materialize(build_on_meta(cfg.model, args, param_dtype), torch.device("cpu"), cfg.training.seed)
     set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
 
 
@@ -149,12 +142,17 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP); returns the norm before clipping."""
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
+                   scaler: LossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP); returns the norm before clipping
+    and, with a loss `scaler` (fp16), the overflow flag, after dividing the gradients by the scale."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = full_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+    overflow = None
+    if scaler is not None:
+        norm, overflow = scaler.unscale(grads, norm)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
+    return norm, overflow
 
 
 class Trainer:
@@ -177,6 +175,9 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         args = resolve_args(cfg.model, self.tokenizer.vocab_size, cfg.mup)
+        self.precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, self.device.type,
+                                           self.dims.fsdp_enabled)
+        self.scaler = None  # fp16: made with the parameters, on their device
         parallel = cfg.parallel
         documents = cfg.data.document_masking or cfg.data.mode == "sft"
         if selective_checkpointing_needs_compile(parallel, args, documents, cfg.data.seq_len, self.device.type):
@@ -184,18 +185,23 @@ class Trainer:
                         "compiled (eager selective checkpointing around compiled flex fails or recomputes it): "
                         "compiling them although parallel.compile = false")
             parallel = parallel.model_copy(update={"compile": True})
-        model = parallelize(build_on_meta(cfg.model, args), self.dims, parallel, self.device)
+        model = parallelize(build_on_meta(cfg.model, args, self.precision.param_dtype), self.dims, parallel,
+                            self.device, self.precision)
         init_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
-        self.model = materialize(model, init_device, cfg.training.seed)
+        self.model = materialize(model, init_device, cfg.training.seed, buffer_device=self.device)
         if self.world_size > 1 and self.device.type == "cpu":
-            copy_single_process_init(self.model, cfg, args)
+            copy_single_process_init(self.model, cfg, args, self.precision.param_dtype)
+        if self.precision.loss_scaling:
+            self.scaler = LossScaler(next(iter(self.model.parameters())).device)
         self.loss_parallel = uses_loss_parallel(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True,
-                                         prefer_fused=cfg.training.nonfinite == "skip")
+                                         prefer_fused=cfg.training.nonfinite == "skip" or self.scaler is not None)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+        # Flags for the optimizer live with the parameters: on the CPU under parallel.cpu_offload.
+        param_device = next(iter(self.model.parameters())).device
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
-                                        self.device, self.dp_group)
+                                        param_device, self.dp_group)
 
         t = cfg.training
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=t.seed,
@@ -275,6 +281,8 @@ class Trainer:
             self.step, self.tokens_seen = self.cfg.checkpoint.step_offset, 0
         if "data" in parts:
             self.loader.load_state_dict(state["data"])
+        if self.scaler is not None and "optimizer" in parts and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
         self.schedule_start = state.get("schedule_start", 0) if "schedule" in parts else self.step
 
     def train(self) -> TrainResult:
@@ -325,9 +333,12 @@ class Trainer:
 
                 try:
                     loss = self._forward_backward(micro_batches, stats[0])
-                    grad_norm = clip_grad_norm(params, max_norm)
-                    if self.nonfinite.observe(self.step, loss, grad_norm):
-                        optimizer.step()
+                    grad_norm, overflow = clip_grad_norm(params, max_norm, self.scaler)
+                    if overflow is None:
+                        if self.nonfinite.observe(self.step, loss, grad_norm):
+                            optimizer.step()
+                    else:  # fp16: an overflow is the scaler's to handle, not a non-finite step
+                        self._scaled_step(loss, grad_norm, overflow)
                 except torch.OutOfMemoryError:
                     profiler.on_oom(self.step)
                     raise
@@ -354,6 +365,7 @@ class Trainer:
                         "step": self.step, "loss": loss_value, "lr": cfg.optimizer.lr * lr_mult,
                         **{f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups if "name" in g},
                         "grad_norm": grad_norm.item(), "tokens_per_second": tps,
+                        **({"grad_scale": self.scaler.scale.item()} if self.scaler is not None else {}),
                         "mfu": per_device * flops_per_token / peak if peak else None,
                         "data_loading_seconds": window_data_s, "data_loading_share": window_data_s / elapsed,
                         "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
@@ -411,7 +423,8 @@ class Trainer:
         path = self.checkpointer.save(
             self.step, self.model, self.optimizer,
             {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
-             "schedule_start": self.schedule_start, **self.provenance}, self.cfg.to_json())
+             "schedule_start": self.schedule_start, **self.provenance,
+             **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, self.cfg.to_json())
         log.info("saved checkpoint %s", path)
         return path
 
@@ -445,6 +458,8 @@ class Trainer:
             dist.all_reduce(n_labels, group=self.dp_group)
         n_labels = n_labels.clamp(min=1)
         scale = self.dims.dp_size if (self.dims.fsdp_enabled or self.dims.ddp_enabled) else 1
+        if self.scaler is not None:
+            scale = self.scaler.scale * scale
         total = torch.zeros((), device=self.device)
         nan = fault_at("nan_loss", self.step)
         anomaly = torch.autograd.detect_anomaly(check_nan=True) if self.cfg.training.detect_anomaly else \
@@ -452,7 +467,7 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             if self.dims.ddp_enabled:  # DDP all-reduces the gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            with self._loss_context(), autocast_context(self.cfg, self.device), anomaly:
+            with self._loss_context(), autocast(self.precision, self.device), anomaly:
                 loss = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
                                   labels=batch.labels, document_offsets=batch.document_offsets) / n_labels
                 if nan:
@@ -460,6 +475,20 @@ class Trainer:
                 (loss * scale).backward()
             total += full_value(loss.detach())
         return total
+
+    def _scaled_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, overflow: torch.Tensor) -> None:
+        """fp16: step unless the scaled gradients overflowed (or the non-finite guard says skip), then update the
+        scale. Fused optimizers skip on the device (`found_inf`); others read the flag (one sync per step)."""
+        optimizer = self.optimizer
+        if self.nonfinite.observe(self.step, loss, torch.where(overflow > 0, 0.0, grad_norm)):
+            found = getattr(optimizer, "found_inf", None) if self.nonfinite.on_device else None
+            skip = overflow if found is None else torch.maximum(found, overflow)
+            if skips_on_device(optimizer):
+                optimizer.found_inf = skip
+                optimizer.step()
+            elif not bool(skip.item()):
+                optimizer.step()
+        self.scaler.update(overflow)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -473,7 +502,7 @@ class Trainer:
         for i, batches in enumerate(self._validation.values()):
             for batch in batches:
                 batch = batch.to(self.device)
-                with self._loss_context(), autocast_context(self.cfg, self.device):
+                with self._loss_context(), autocast(self.precision, self.device):
                     loss_sum = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
                                           labels=batch.labels, document_offsets=batch.document_offsets)
                     totals[i, 0] += full_value(loss_sum.detach())
