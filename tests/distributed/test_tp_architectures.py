@@ -3,9 +3,6 @@ processes on CPU, each comparing its TP model with an unsharded copy of the same
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -17,15 +14,9 @@ from maester.models.build import build_on_meta, materialize, resolve_args
 ARCHS = ["llama", "gemma3", "qwen3", "olmo2", "gpt_neox"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, name: str, tied: bool, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, store: str, name: str, tied: bool, errors):
+    # A file store, not a TCP port: tests running side by side cannot meet the wrong peers.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor
@@ -58,10 +49,18 @@ def _worker(rank: int, world: int, port: int, name: str, tied: bool, errors):
             loss.backward()
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        assert uses_loss_parallel(model), "TP gives vocabulary-sharded logits, tied or not"
+        with torch.no_grad(), loss_parallel():  # the trainer's path: the model's own summed loss
+            summed = model(ids, document_ids=docs, labels=labels)
+        summed = summed.full_tensor() if isinstance(summed, DTensor) else summed
+        torch.testing.assert_close(summed / labels.numel(), expected, rtol=1e-5, atol=1e-6)
         ref_params = dict(reference.named_parameters())
         for pname, p in model.named_parameters():
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             torch.testing.assert_close(grad, ref_params[pname].grad, rtol=1e-4, atol=1e-6, msg=pname)
+        # Both ranks done before either tears the group down: a peer closing its connection while gloo still
+        # talks to it aborts the other process.
+        torch.distributed.barrier()
     except BaseException as e:  # report to the parent: a failing assert in a child is otherwise only printed
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -71,9 +70,9 @@ def _worker(rank: int, world: int, port: int, name: str, tied: bool, errors):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("name", ARCHS)
-def test_tensor_parallel_matches_one_process(name, tied):
+def test_tensor_parallel_matches_one_process(name, tied, tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(2, _free_port(), name, tied, errors), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(2, str(tmp_path / "store"), name, tied, errors), nprocs=2, join=True,
                        start_method="spawn")
     assert errors.empty(), errors.get()

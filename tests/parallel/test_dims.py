@@ -18,6 +18,7 @@ def test_dp_shard_takes_the_remaining_ranks():
              "--training.micro_batch_size=2")
     assert (d.dp_replicate, d.dp_shard, d.tp, d.dp_size) == (2, 2, 2, 4)
     assert d.fsdp_enabled and not d.ddp_enabled
+    assert dims(2, "--parallel.tp=2", "--model.overrides.tie_embeddings=true").tp == 2  # tied heads take TP
     assert dims(2, "--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--training.micro_batch_size=2",
                 "--training.global_batch_size=4").ddp_enabled
 
@@ -29,7 +30,6 @@ def test_dp_shard_takes_the_remaining_ranks():
     (4, ["--parallel.tp=4"], "does not divide the model's n_kv_heads (2)"),
     (2, ["--parallel.tp=2", "--data.seq_len=33"], "does not divide data.seq_len = 33"),
     (4, ["--parallel.tp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=1"], "DDP"),
-    (2, ["--parallel.tp=2", "--model.overrides.tie_embeddings=true"], "tied embeddings"),
     (2, ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.param_dtype=bfloat16"],
      "parallel.param_dtype applies to FSDP only"),
     (1, ["--parallel.cpu_offload=true", "--training.device=cuda"], "parallel.cpu_offload applies to FSDP only"),

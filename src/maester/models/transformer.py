@@ -175,7 +175,7 @@ class Transformer(nn.Module):
             return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
         weight = self.output.weight if self.output is not None else self.tok_embeddings.weight
         if isinstance(weight, DTensor):  # a vocabulary-sharded head (TP): loss_parallel on the sharded logits
-            return cross_entropy_sum(self.output(h), labels)
+            return cross_entropy_sum(self.output(h) if self.output is not None else F.linear(h, weight), labels)
         return linear_cross_entropy_sum(h, weight, labels)
 
 

@@ -47,9 +47,6 @@ class ParallelDims:
             if cfg.data.seq_len % self.tp:
                 raise ValueError(f"parallel.tp = {self.tp} does not divide data.seq_len = {cfg.data.seq_len} "
                                  f"(sequence parallel splits the sequence)")
-            if getattr(args, "tie_embeddings", False):
-                raise ValueError("parallel.tp > 1 with tied embeddings is not supported yet: set parallel.tp = 1 "
-                                 "or model.overrides.tie_embeddings = false")
             if self.dp_shard == 1 and self.dp_replicate > 1:
                 raise ValueError("DDP (dp_replicate > 1 with dp_shard = 1) cannot be combined with tp: "
                                  "use dp_shard (FSDP) or dp_replicate x dp_shard (HSDP) with tp")

@@ -55,6 +55,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         root_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                               use_local_output=False)
     parallelize_module(model, tp_mesh, root_plan)
+    if model.output is None:
+        # Tied head: F.linear(h, tok_embeddings.weight) with the vocabulary-sharded (Shard(0)) embedding. Gathering
+        # the final norm's sequence-sharded output makes that a column-parallel matmul: vocabulary-sharded
+        # logits (Shard(-1)) for loss_parallel, as ColwiseParallel gives an untied head.
+        model.norm.register_forward_hook(
+            lambda module, args, out: out.redistribute(out.device_mesh, [Replicate()]))
     for block in model.layers.values():
         plan = {
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
@@ -84,12 +90,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
 
 
 def uses_loss_parallel(model: nn.Module) -> bool:
-    """True when the logits come out as a vocabulary-sharded DTensor (TP with an untied head)."""
+    """True when the logits come out as a vocabulary-sharded DTensor (TP, with an untied or a tied head)."""
     from torch.distributed.tensor import DTensor
 
     output = getattr(model, "output", None)
-    return output is not None and isinstance(output.weight, DTensor) and "tp" in (
-        output.weight.device_mesh.mesh_dim_names or ())
+    weight = output.weight if output is not None else model.tok_embeddings.weight
+    return isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ())
 
 
 # Ops whose outputs selective checkpointing keeps: recomputing them costs the most.
