@@ -7,6 +7,7 @@ checkpoints map onto these modules without permuting weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -187,11 +188,28 @@ class AttentionMask:
     block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
     cu_seqlens: torch.Tensor | None = None  # (documents + 1,) int32 offsets into the flattened batch
     max_len: int = 0
+    cast_dtype: torch.dtype | None = None  # the autocast dtype q, k and v are cast to; None: no autocast
+    sdpa_backends: tuple | None = None  # SDPA's backend order (`sdpa_priority`); None: torch's default
 
 
 def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
                    device: torch.device, needs_grad: bool, window: int | None = None,
                    offsets: torch.Tensor | None = None) -> AttentionMask:
+    """See `_attention_mask`; also records, outside any compiled block, the autocast dtype and SDPA's backend
+    order for `attend`."""
+    mask = _attention_mask(choice, document_ids, batch, seq, device, needs_grad, window, offsets)
+    priority = sdpa_priority(device) if mask.backend == "sdpa" else None
+    return dataclasses.replace(mask, cast_dtype=_autocast_dtype(device),
+                               sdpa_backends=tuple(priority) if priority else None)
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
+                    device: torch.device, needs_grad: bool, window: int | None = None,
+                    offsets: torch.Tensor | None = None) -> AttentionMask:
     """Causal attention within documents (and within a sliding `window` of tokens, itself included, when
     given) for the backend `choice` resolves to on `device`.
 
@@ -229,7 +247,8 @@ def cached_attention_mask(start: int, seq: int, device: torch.device, window: in
     """Decoding with a KV cache: `seq` new queries at positions start.. over the start + seq cached keys."""
     q_pos = torch.arange(start, start + seq, device=device)
     k_pos = torch.arange(start + seq, device=device)
-    return AttentionMask("sdpa", window, dense=causal_window_mask(q_pos, k_pos, window)[None, None])
+    return AttentionMask("sdpa", window, dense=causal_window_mask(q_pos, k_pos, window)[None, None],
+                         cast_dtype=_autocast_dtype(device))
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -272,14 +291,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     Every backend computes the same causal, within-document (and within-window) softmax attention with
     `scale` (None: 1/sqrt(head_dim)).
     """
-    if torch.is_autocast_enabled(q.device.type):
+    if mask.cast_dtype is not None:
         # QK-norm with float32 weights makes q and k float32 while v is in the autocast dtype; kernels want one
         # dtype (varlen refuses float32). torchtitan casts the same way before its kernels.
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        q, k, v = q.to(mask.cast_dtype), k.to(mask.cast_dtype), v.to(mask.cast_dtype)
     if mask.backend == "sdpa":
-        priority = sdpa_priority(q.device)
-        context = contextlib.nullcontext() if priority is None else sdpa_kernel(priority, set_priority=True)
+        context = contextlib.nullcontext() if mask.sdpa_backends is None else \
+            sdpa_kernel(list(mask.sdpa_backends), set_priority=True)
         with context:
             if mask.dense is None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
