@@ -533,6 +533,9 @@ class CheckpointConfig(Section):
     """The step a run starts at when it does not take the step from `init_from`; its schedule (warmup
     included) still starts at that step."""
     save_final: bool = True
+    trust_pickled_rng: bool = False
+    """Read a checkpoint's RNG state saved by an older maester (pickled Python objects: loading them can run
+    code). Off: such a file is refused with a message; checkpoints of this version hold no pickle."""
 
     @model_validator(mode="after")
     def _check_load_mode(self) -> "CheckpointConfig":

@@ -122,7 +122,7 @@ def test_load_mode_takes_exactly_its_parts(source, mode):
     assert target.tokens_seen == (src.tokens_seen if "step" in takes else 0)
 
     # RNG: the source's saved state, or the one a fresh run of this config has
-    saved_rng = torch.load(resolve_checkpoint(src.job_dir) / "rng" / "rank0.pt", weights_only=False)["torch"]
+    saved_rng = torch.load(resolve_checkpoint(src.job_dir) / "rng" / "rank0.pt", weights_only=True)["torch"]
     assert not torch.equal(saved_rng, fresh_rng)
     assert torch.equal(target_rng, saved_rng if "rng" in takes else fresh_rng)
 

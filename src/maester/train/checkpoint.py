@@ -78,18 +78,48 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def capture_rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python's, NumPy's, torch's and CUDA's generator states as tensors and plain values only, so that
+    `torch.load(..., weights_only=True)` reads them back: loading a checkpoint never runs code."""
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    if isinstance(py, dict):
+        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+        np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached_gaussian"]))
+    else:  # an older checkpoint's pickled tuples (read only with checkpoint.trust_pickled_rng)
+        random.setstate(py)
+        np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_rng_state(path: Path, trust_pickle: bool = False) -> dict:
+    """An RNG state file, read with `weights_only=True`. A file from before this format holds pickled Python
+    objects; it is read only when `trust_pickle` (`checkpoint.trust_pickled_rng`) says its source is trusted."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not trust_pickle:
+            raise ValueError(f"{path}: the RNG state holds pickled objects (a checkpoint from an older maester, or "
+                             f"a crafted file): loading it could run code, so it is refused. If you trust this "
+                             f"checkpoint, set checkpoint.trust_pickled_rng = true") from e
+    log.warning("%s: loading a pickled RNG state because checkpoint.trust_pickled_rng = true; the next checkpoint "
+                "is saved without pickle", path)
+    return torch.load(path, weights_only=False)
 
 
 class Checkpointer:
@@ -216,7 +246,7 @@ class Checkpointer:
             return trainer_state
         rng_file = path / "rng" / f"rank{self.rank}.pt"
         if rng_file.is_file():
-            restore_rng_state(torch.load(rng_file, weights_only=False))
+            restore_rng_state(read_rng_state(rng_file, self.cfg.trust_pickled_rng))
         else:
             log.warning("checkpoint %s has no RNG state for rank %d (saved on fewer ranks)", path, self.rank)
         return trainer_state
