@@ -190,3 +190,16 @@ def test_submit_rejects_bad_name(tmp_path):
     assert result.returncode == 2
     assert "job.name 'a/b'" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_mup_with_a_tied_head_is_one_line(tmp_path):
+    """μP's zero-initialised readout with tied embeddings: the project's one-line error, not pydantic's report."""
+    result = maester("train", DEMO, f"--job.dump_dir={tmp_path}/jobs", "--mup.enabled=true", "--mup.base_width=64",
+                     "--mup.zero_init_readout=true", "--model.overrides.tie_embeddings=true", "--training.steps=2",
+                     "--schedule.warmup_steps=1", "--training.device=cpu", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == ["maester train: error: mup with model llama/demo: mup_zero_init_readout needs an untied "
+                      "output layer (tie_embeddings is set: the head is the embedding matrix, which cannot start at "
+                      "zero)"]
+    assert "pydantic" not in result.stderr and "Traceback" not in result.stderr

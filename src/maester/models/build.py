@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from torch import nn
 
 from maester.config import ModelConfig, MupConfig
@@ -15,7 +15,11 @@ def resolve_args(cfg: ModelConfig, tokenizer_vocab: int, mup: MupConfig | None =
     multipliers from `mup` (the run config's `mup` section) where it is enabled."""
     args = cfg.architecture()
     if mup is not None and mup.enabled:
-        args = args.model_validate({**args.model_dump(), **mup_fields(mup)})
+        try:
+            args = args.model_validate({**args.model_dump(), **mup_fields(mup)})
+        except ValidationError as e:  # one line naming the sections, not pydantic's report
+            raise ValueError(f"mup with model {cfg.name}/{cfg.flavor}: " + "; ".join(
+                err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
     if args.vocab_size is None:
         return args.model_copy(update={"vocab_size": -(-tokenizer_vocab // 64) * 64})
     if args.vocab_size < tokenizer_vocab:
