@@ -253,8 +253,18 @@ class Checkpointer:
 
 
 def read_trainer_state(path: Path) -> dict:
-    """The step, data position and provenance of checkpoint `path` (its trainer_state.json)."""
-    return json.loads((path / TRAINER_STATE).read_text())
+    """The step, data position and provenance of checkpoint `path` (its trainer_state.json); a damaged file is an
+    error that names it."""
+    file = path / TRAINER_STATE
+    try:
+        state = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e}): the checkpoint is damaged; move it aside to resume from "
+                         f"an earlier one") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{file}: no integer 'step' in it: the checkpoint is damaged; move it aside to resume "
+                         f"from an earlier one")
+    return state
 
 
 def has_optimizer_state(path: Path) -> bool:
