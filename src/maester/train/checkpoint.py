@@ -238,8 +238,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         hyperparameters = copy.deepcopy(optim_sd["param_groups"])
         state = {"model": model_sd, "optimizer": optim_sd}
-        with single_process_ok():
-            dcp.load(state, checkpoint_id=path)
+        _dcp_load(state, path)
         state["optimizer"]["param_groups"] = hyperparameters
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         if mode != "continue":
@@ -274,12 +273,37 @@ def has_optimizer_state(path: Path) -> bool:
     return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
 
 
+def _dcp_load(state: dict, path: Path) -> None:
+    """`dcp.load` of checkpoint `path`; a missing or truncated file is an error that names it."""
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with single_process_ok():
+            dcp.load(state, checkpoint_id=path)
+    except (OSError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+        cause = e
+        if isinstance(e, CheckpointException) and e.failures:  # the first failing rank's own error
+            failure = next(iter(e.failures.values()))
+            cause = failure[0] if isinstance(failure, tuple) else failure
+        where = getattr(cause, "filename", None) or path
+        if isinstance(cause, EOFError):
+            reason = "a file ends early (truncated)"
+        elif isinstance(cause, OSError) and cause.strerror:
+            reason = cause.strerror
+        else:
+            reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        raise ValueError(f"checkpoint {path} cannot be read: {where}: {reason}. It is damaged or incomplete: move it "
+                         f"aside and point {path.parent / 'latest'} at an earlier checkpoint to resume from there") \
+            from e
+
+
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model from a checkpoint (fine-tuning, generation); every model key must be present."""
     model_sd = get_model_state_dict(model)
     state = {"model": model_sd}
-    with single_process_ok():
-        dcp.load(state, checkpoint_id=path)
+    _dcp_load(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 
