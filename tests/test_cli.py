@@ -203,3 +203,15 @@ def test_mup_with_a_tied_head_is_one_line(tmp_path):
                       "output layer (tie_embeddings is set: the head is the embedding matrix, which cannot start at "
                       "zero)"]
     assert "pydantic" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_invalid_utf8_in_a_loader_worker_is_one_line(tmp_path):
+    """A bad record met in a DataLoader worker: the record's own message, not DataLoader's wrapped report."""
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b'{"text": "a fine document"}\n{"text": "\xff\xfe"}\n')
+    result = maester("train", DEMO, f"--job.dump_dir={tmp_path}/jobs", "--model.flavor=tiny",
+                     f'--data.sources=[{{"path": "{data}"}}]', "--training.steps=2", "--schedule.warmup_steps=1",
+                     "--training.device=cpu", "--data.num_workers=1", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line or "Traceback" in line]
+    assert errors == [f"maester train: error: {data}:2: not valid UTF-8 (byte 10)"]

@@ -163,7 +163,14 @@ class _StepRows(IterableDataset):
         tokenizer = build_tokenizer(self.plan.tokenizer)
         streams = [Stream(i, self.plan, tokenizer, self.states.get(i)) for i in mine]
         while True:
-            rows = np.stack([s.next_window() for s in streams])
+            try:
+                rows = np.stack([s.next_window() for s in streams])
+            except InvalidDocument as e:
+                if info is None:
+                    raise
+                # From a worker, as a value: the loader raises it as it is, not wrapped in DataLoader's report.
+                yield {"error": e}
+                return
             yield {"streams": mine, "rows": torch.from_numpy(rows), "states": [_snapshot(s.state) for s in streams]}
 
 
@@ -219,6 +226,8 @@ class TextLoader:
         first = self.streams[0]
         for _ in range(max(1, self.num_workers)):  # one item per worker, in worker order
             item = next(self._batches)
+            if "error" in item:
+                raise item["error"]
             for stream, row, state in zip(item["streams"], item["rows"], item["states"]):
                 rows[stream - first] = row
                 self.states[stream] = state
