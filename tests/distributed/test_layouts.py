@@ -87,3 +87,15 @@ def test_fsdp_bfloat16_parameters_train_close_to_float32(reference):
     got = losses(job)
     assert got == pytest.approx(expected, rel=2e-2)
     assert got != pytest.approx(expected, rel=1e-6)
+
+
+def test_fsdp_fp16_with_loss_scaling_trains_close_to_float32(reference):
+    """precision = fp16 on 2 FSDP ranks: the loss scale is shared (an overflow is read from the global gradient
+    norm), logged on every step, and the curve stays close to fp32."""
+    root, corpus, seed, expected = reference
+    job = prepare_job(root, corpus, seed, "fsdp2_fp16", training__precision="fp16")
+    run = torchrun(2, ["train", str(job)], root)
+    assert run.returncode == 0, run.stderr[-4000:]
+    records = read_metrics(job / "metrics.jsonl")
+    assert [r["loss"] for r in records] == pytest.approx(expected, rel=2e-2)
+    assert all(r["grad_scale"] == 2.0**16 for r in records)
