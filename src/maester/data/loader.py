@@ -34,7 +34,10 @@ class Batch:
 
     def __post_init__(self):
         if self.document_offsets is None and self.document_ids is not None and not self.document_ids.is_cuda:
-            self.document_offsets = host_document_offsets(self.document_ids)
+            from maester.models.layers import document_offsets  # on the host: no device to wait for
+
+            self.document_offsets = document_offsets(self.document_ids, *self.document_ids.shape,
+                                                     self.document_ids.device)
 
     def to(self, device: torch.device) -> "Batch":
         """On `device`; to a GPU through pinned memory, without waiting for the copy."""
@@ -49,15 +52,6 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
-
-
-def host_document_offsets(document_ids: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens of a (batch, seq) document-id tensor on the host: a document starts where the id changes and at
-    every row start; then the total token count."""
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    offsets = starts.flatten().nonzero().flatten()
-    return torch.cat((offsets, torch.tensor([document_ids.numel()]))).to(torch.int32)
 
 
 def check_batch_split(global_batch: int, micro_batch: int, dp_size: int) -> None:
