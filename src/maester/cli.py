@@ -116,6 +116,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--upload", metavar="ORG/NAME",
                    help="then upload OUT to this Hugging Face Hub repository (needs the `hub` extra)")
 
+    p = sub.add_parser("checkpoint", help="checkpoint tools: verify")
+    ksub = p.add_subparsers(dest="checkpoint_command", required=True, metavar="ACTION")
+    q = ksub.add_parser("verify", help="check checkpoints against their manifests (every file's size and CRC-32); "
+                                       "exit 0 when all are intact, 1 when one is damaged")
+    q.add_argument("target", help="a job directory, its checkpoints/ directory or one checkpoint")
+    q.add_argument("--level", choices=("size", "full"), default="full",
+                   help="size: compare file sizes only; full (default): also read every file for its CRC-32")
+
     p = sub.add_parser("plot", help="write the loss curve of a job as PNG")
     p.add_argument("job", help="a job directory")
     p.add_argument("--out", help="output path (default: <job>/loss.png)")
@@ -260,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         COMMANDS[args.command](args)
-    except (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError,
+            ValueError) as e:
         print(f"maester {args.command}: error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
@@ -305,7 +314,7 @@ def _training_failure(e: Exception) -> tuple[int | None, str]:
 
 
 def _train(args) -> None:
-    from maester.jobs.job_dir import config_for_target, write_job_dir
+    from maester.jobs.job_dir import config_for_target, is_job_dir, lock_job_dir, write_job_dir
     from maester.train.preemption import COMPLETED_FILE, REQUEUE_EXIT_CODE, REQUEUE_FILE, completed_marker
 
     rank = int(os.environ.get("RANK", "0"))
@@ -324,13 +333,21 @@ def _train(args) -> None:
     from maester.train.trainer import Trainer, setup_logging
 
     setup_logging(None, rank)  # so that write_job_dir reports what the overrides change
+    lock, existing = None, is_job_dir(job_dir)
     if rank == 0:
-        write_job_dir(cfg, job_dir)
+        lock = lock_job_dir(job_dir, cfg.training.requeue_lock_wait_seconds)
+        if not existing:
+            write_job_dir(cfg, job_dir)
     try:
-        result = Trainer(cfg, job_dir).train()
+        trainer = Trainer(cfg, job_dir)
+        if rank == 0 and existing:  # an override that fails the resume is not kept in config.json
+            write_job_dir(cfg, job_dir)
+        result = trainer.train()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
     if result.stop_reason is not None:
         if rank == 0:
             print(f"stopped on request ({result.stop_reason}) at step {result.step}; checkpoint {result.checkpoint}; "
@@ -491,6 +508,30 @@ def _convert(args) -> None:
     print(f"wrote the Hugging Face model directory {out}" + (f"; uploaded to {args.upload}" if args.upload else ""))
 
 
+def _checkpoint(args) -> None:
+    from pathlib import Path
+
+    from maester.train.checkpoint import step_dirs, verify_checkpoint
+
+    target = Path(args.target)
+    if (target / ".metadata").is_file() or (target / "manifest.json").is_file():
+        checkpoints = [target]
+    else:
+        checkpoints = step_dirs(target) or step_dirs(target / "checkpoints")
+    if not checkpoints:
+        raise FileNotFoundError(f"no checkpoint at {target} (looked for a checkpoint, and for step-N directories in "
+                                f"it and in its checkpoints/)")
+    damaged = 0
+    for path in checkpoints:
+        problems = verify_checkpoint(path, args.level)
+        damaged += bool(problems)
+        print(f"{path}: {'DAMAGED' if problems else 'intact'}" + "".join(f"\n  {p}" for p in problems))
+    print(f"{len(checkpoints)} checkpoint(s) checked ({args.level}): {len(checkpoints) - damaged} intact, "
+          f"{damaged} damaged")
+    if damaged:
+        sys.exit(1)
+
+
 def _plot(args) -> None:
     from pathlib import Path
 
@@ -590,4 +631,4 @@ def _data(args) -> None:
 COMMANDS = {"train": _train, "seed-checkpoint": _seed_checkpoint, "submit": _submit, "config": _config,
             "preflight": _preflight,
             "generate": _generate, "launch": _launch, "sweep": _sweep, "mup": _mup, "convert": _convert,
-            "plot": _plot, "report": _report, "data": _data}
+            "checkpoint": _checkpoint, "plot": _plot, "report": _report, "data": _data}

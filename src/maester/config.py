@@ -312,6 +312,9 @@ class TrainingConfig(Section):
     """Collective timeout until the first step is done (building, loading, compiling)."""
     train_timeout_seconds: float = Field(300, gt=0)
     """Collective timeout after the first step: a hung rank ends the job within this."""
+    requeue_lock_wait_seconds: float = Field(600, ge=0)
+    """A requeued SLURM job (SLURM_RESTART_COUNT > 0) waits this long for the previous run of its job directory to
+    release `run.lock` (it may still be saving); any other second run of a job directory is refused at once."""
 
 
 class ParamGroupRule(Section):
@@ -533,6 +536,9 @@ class CheckpointConfig(Section):
     """The step a run starts at when it does not take the step from `init_from`; its schedule (warmup
     included) still starts at that step."""
     save_final: bool = True
+    verify: Literal["size", "full"] = "size"
+    """What a resumed run checks of a checkpoint against its manifest.json before loading it: `size`, every file's
+    size (a stat per file); `full`, also every file's CRC-32 (reads the whole checkpoint once)."""
     trust_pickled_rng: bool = False
     """Read a checkpoint's RNG state saved by an older maester (pickled Python objects: loading them can run
     code). Off: such a file is refused with a message; checkpoints of this version hold no pickle."""

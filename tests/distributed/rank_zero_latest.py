@@ -1,5 +1,5 @@
 """Run under torchrun with 2 processes: each rank's Checkpointer looks at its own directory (as two nodes whose
-filesystem caches disagree), and every rank must resume from rank 0's `latest`. Prints one JSON line per rank."""
+filesystem caches disagree), and every rank must resume from rank 0's choice. Prints one JSON line per rank."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 job = Path(sys.argv[1]) / f"view-{rank}"
 try:
-    got = Checkpointer(job, CheckpointConfig(), rank).latest_agreed()
+    got, _ = Checkpointer(job, CheckpointConfig(), rank).resume_point()
     print(json.dumps({"rank": rank, "latest": None if got is None else str(got)}), flush=True)
 except ValueError as e:
     print(json.dumps({"rank": rank, "error": str(e)}), flush=True)

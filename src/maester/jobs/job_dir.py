@@ -57,3 +57,93 @@ def _diff(a, b, prefix: str = "") -> list[str]:
             out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
         return out
     return [] if a == b else [f"{prefix.rstrip('.')}={b!r}"]
+
+
+LOCK_FILE = "run.lock"
+
+
+class JobLocked(ValueError):
+    """Another run holds the job directory's lock."""
+
+
+class JobLock:
+    """One run per job directory: a POSIX record lock (`fcntl.lockf`) on `<job>/run.lock`, held by rank 0 for the
+    life of the run and released by the kernel when the process ends, however it ends. The file holds who has it
+    (host, pid, SLURM job id, since when) for the message a second run prints.
+
+    Across nodes this needs a filesystem whose fcntl locks are cluster-wide: NFS (v3 with lockd, v4), Lustre
+    mounted with `flock` (not `localflock`, which locks per node only), GPFS. Where locks are not supported at all
+    the run refuses to start and says so; `MAESTER_NO_JOB_LOCK=1` runs without the guard."""
+
+    def __init__(self, job_dir: Path):
+        self.path = Path(job_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self, wait_seconds: float = 0.0) -> None:
+        import errno
+        import fcntl
+        import json
+        import socket
+        import time
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        deadline, waited = time.monotonic() + wait_seconds, False
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    os.close(fd)
+                    raise ValueError(f"{self.path}: cannot lock it ({e.strerror}): this filesystem does not support "
+                                     f"file locks (on Lustre, mount with -o flock). Set MAESTER_NO_JOB_LOCK=1 to run "
+                                     f"without the one-run-per-job guard") from None
+                if time.monotonic() >= deadline:
+                    holder = self._holder(fd)
+                    os.close(fd)
+                    raise JobLocked(f"{self.path.parent} is in use by another run ({holder})"
+                                    + (f"; waited {wait_seconds:.0f} s for it" if wait_seconds else "")
+                                    + f": one run per job directory. Wait for it to end or stop it; {self.path} "
+                                      f"is released when that process exits") from None
+                if not waited:
+                    log.info("waiting up to %.0f s for the previous run of %s to end (%s)", wait_seconds,
+                             self.path.parent, self._holder(fd))
+                    waited = True
+                time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        self.fd = fd
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        """Who holds the lock, read through the same descriptor: closing any other descriptor of the file would
+        drop this process's own POSIX locks on it."""
+        import json
+
+        try:
+            h = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+            return (f"host {h.get('host')}, pid {h.get('pid')}"
+                    + (f", SLURM job {h['slurm_job_id']}" if h.get("slurm_job_id") else "")
+                    + f", since {h.get('since')}")
+        except (ValueError, UnicodeDecodeError):
+            return "holder unknown"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def lock_job_dir(job_dir: Path, requeue_wait_seconds: float) -> JobLock | None:
+    """Take the job directory's lock for this run; a requeued SLURM job waits for its predecessor's."""
+    if os.environ.get("MAESTER_NO_JOB_LOCK") == "1":
+        log.warning("MAESTER_NO_JOB_LOCK=1: %s is not locked; two runs of it would overwrite each other", job_dir)
+        return None
+    requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+    lock = JobLock(job_dir)
+    lock.acquire(requeue_wait_seconds if requeued else 0.0)
+    return lock

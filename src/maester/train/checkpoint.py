@@ -5,12 +5,15 @@ Layout of `jobs/<name>/checkpoints/`:
     step-<N>/            a complete checkpoint: DCP files (.metadata, *.distcp) for model and optimizer,
                          trainer_state.json (step, schedule start, data position, tokens seen, and
                          `init_from`/`load_mode` where the run began from another checkpoint),
-                         rng/rank<R>.pt, config.json
-    latest -> step-<N>   moved (atomically) only after step-<N> is complete
+                         rng/rank<R>.pt, config.json, and manifest.json (every other file's size and CRC-32)
+    latest -> step-<N>   a convenience link, moved (atomically) after step-<N> is complete
     step-<N>.tmp/        a save in progress; never loaded, removed by the next save
+    step-<N>.damaged/    a checkpoint that failed its manifest check at resume, moved aside (never deleted)
 
-A checkpoint is written under the temporary name and renamed when every file is on disk, so a crash at any
-moment leaves the previous checkpoint as `latest`, whole and loadable.
+A checkpoint is written under the temporary name, its manifest last, and renamed when every file is on disk, so a
+crash at any moment leaves the previous checkpoint whole and loadable. A run resumes from the newest `step-<N>`
+that matches its manifest, whatever `latest` says (copies made with `rsync -r` drop the link).
+Checkpoint files are read without unpickling anything but DCP's own metadata classes (`SafeReader`).
 
 A job resumes from its own latest checkpoint with everything in it; a new run can take named parts of
 another checkpoint (`checkpoint.load_mode`, the table `LOAD_MODES`), or the weights of a Hugging Face model
@@ -20,13 +23,16 @@ directory (`checkpoint.init_from = "hf:PATH"`, `load_hf_weights`).
 from __future__ import annotations
 
 import copy
+import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import warnings
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,6 +55,66 @@ log = logging.getLogger("maester")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+DAMAGED = ".damaged"
+
+# What DCP pickles into `.metadata`, and nothing else: loading a checkpoint must not run code from it.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                  torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of a checkpoint's metadata "
+                                     f"(a crafted file: loading it could run code)")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` unpickled through an allowlist of DCP's metadata classes."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise ValueError(f"{path}: refused: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _safe_planner():
+    """DCP's load planner, reading non-tensor values (the optimizer's hyperparameters) with `weights_only=True`;
+    its own `load_bytes` unpickles them with `weights_only=False`."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                raise ValueError(f"the value of {fqn} is refused: it holds pickled objects beyond plain values and "
+                                 f"tensors (loading it could run code)") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafeLoadPlanner()
 
 
 @contextmanager
@@ -66,15 +132,80 @@ def is_complete(path: Path) -> bool:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint path, a `checkpoints/` directory or a job directory."""
+    """A checkpoint directory from a checkpoint path, a `checkpoints/` directory or a job directory (its newest
+    `step-<N>` that matches its manifest's sizes; damaged ones are skipped with a warning, not moved)."""
     path = Path(path)
-    for candidate in (path, path / "latest", path / "checkpoints" / "latest"):
-        if candidate.is_dir() and (candidate / ".metadata").is_file():
-            real = candidate.resolve()
-            if not is_complete(real):
-                raise ValueError(f"checkpoint {candidate} is incomplete (no {TRAINER_STATE} or .metadata)")
-            return real
-    raise FileNotFoundError(f"no checkpoint at {path} (looked for a DCP checkpoint, latest, checkpoints/latest)")
+    if path.is_dir() and (path / ".metadata").is_file():
+        real = path.resolve()
+        if not is_complete(real):
+            raise ValueError(f"checkpoint {path} is incomplete (no {TRAINER_STATE} or .metadata)")
+        return real
+    for directory in (path, path / "checkpoints"):
+        steps = step_dirs(directory)
+        for step in steps:
+            problems = verify_checkpoint(step, "size")
+            if not problems:
+                return step.resolve()
+            log.warning("skipping the damaged checkpoint %s: %s", step, "; ".join(problems))
+        if steps:
+            raise ValueError(f"no intact checkpoint in {directory}: {', '.join(p.name for p in steps)} fail their "
+                             f"manifest check (`maester checkpoint verify {directory}` lists why)")
+    raise FileNotFoundError(f"no checkpoint at {path} (looked for a DCP checkpoint, and for step-N directories in it "
+                            f"and in its checkpoints/)")
+
+
+def step_dirs(directory: Path) -> list[Path]:
+    """The `step-<N>` directories of a `checkpoints/` directory, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in directory.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def crc32_of(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def describe_files(root: Path, names: list[str]) -> dict[str, dict]:
+    """Size and CRC-32 of each file `names` (relative to `root`), for a manifest."""
+    return {name: {"size": (root / name).stat().st_size, "crc32": crc32_of(root / name)} for name in names}
+
+
+def verify_checkpoint(path: Path, level: str = "size") -> list[str]:
+    """What is wrong with checkpoint `path` against its manifest.json, one line per file; empty when it is intact.
+    `level` "size" compares sizes, "full" also CRC-32s. A checkpoint from before manifests (none in it) is checked
+    for its .metadata and trainer state only."""
+    manifest_file = path / MANIFEST
+    problems: list[str] = []
+    if not manifest_file.is_file():
+        problems = [f"{path / name}: missing" for name in (".metadata", TRAINER_STATE) if not (path / name).is_file()]
+    else:
+        try:
+            files = json.loads(manifest_file.read_text())["files"]
+            entries = [(name, int(e["size"]), str(e["crc32"])) for name, e in files.items()]
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            return [f"{manifest_file}: not a manifest ({type(e).__name__}: {e})"]
+        for name, size, crc in sorted(entries):
+            file = path / name
+            try:
+                actual = file.stat().st_size
+            except FileNotFoundError:
+                problems.append(f"{file}: missing")
+                continue
+            if actual != size:
+                problems.append(f"{file}: {actual} bytes, the manifest says {size}")
+            elif level == "full" and (actual_crc := crc32_of(file)) != crc:
+                problems.append(f"{file}: CRC-32 {actual_crc}, the manifest says {crc}")
+    if not problems:
+        try:
+            read_trainer_state(path)
+        except (ValueError, OSError) as e:
+            problems.append(str(e).split(": the checkpoint is damaged")[0])
+    return problems
 
 
 def capture_rng_state() -> dict:
@@ -128,36 +259,86 @@ class Checkpointer:
         self.cfg, self.rank = cfg, rank
 
     def latest(self) -> Path | None:
-        link = self.dir / "latest"
-        if not link.exists():
-            if link.is_symlink():
-                raise ValueError(f"{link} points to a missing checkpoint ({os.readlink(link)})")
-            return None
-        return resolve_checkpoint(link)
+        """The newest complete `step-<N>` (not verified: for reports; a resume uses `resume_point`)."""
+        return next((p for p in step_dirs(self.dir) if is_complete(p)), None)
 
-    def latest_agreed(self) -> Path | None:
-        """`latest` as rank 0 resolves it, on every rank (a collective). Ranks that each read the link can
-        disagree right after a requeue, where a shared filesystem caches attributes per node."""
+    def resume_point(self) -> tuple[Path | None, list[dict]]:
+        """The checkpoint to resume from, as rank 0 finds it, on every rank (a collective): the newest `step-<N>`
+        that passes its manifest check (`checkpoint.verify`). Newer damaged ones are moved aside to
+        `step-<N>.damaged`; they come back as records ({checkpoint, moved_to, problems}) for the metrics. Ranks
+        that each looked could disagree right after a requeue, where a shared filesystem caches per node."""
         import torch.distributed as dist
 
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.latest()
+            return self._find_resume_point()
         box: list = [None]
         if self.rank == 0:
             try:
-                latest = self.latest()
-                box[0] = ("ok", None if latest is None else str(latest))
-            except ValueError as e:
-                box[0] = ("error", str(e))
+                found, damaged = self._find_resume_point()
+                box[0] = ("ok", None if found is None else str(found), damaged)
+            except (ValueError, OSError) as e:
+                box[0] = ("error", str(e), None)
         dist.broadcast_object_list(box, src=0)
-        kind, value = box[0]
+        kind, value, damaged = box[0]
         if kind == "error":
             raise ValueError(value)
-        return None if value is None else Path(value)
+        return (None if value is None else Path(value)), damaged
+
+    def _find_resume_point(self) -> tuple[Path | None, list[dict]]:
+        link = self.dir / "latest"
+        if link.is_dir() and not link.is_symlink():
+            raise ValueError(f"{link} is a directory, not a link (a copy made with cp -a, cp -L or rsync -L): the "
+                             f"step-N directories beside it are the checkpoints. Remove it, or rename it to the "
+                             f"step-N its {TRAINER_STATE} names if that checkpoint is not beside it")
+        self._check_writable()
+        damaged = []
+        for path in step_dirs(self.dir):
+            problems = verify_checkpoint(path, self.cfg.verify)
+            if not problems:
+                if not (link.is_symlink() and os.readlink(link) == path.name):
+                    log.warning("%s %s; resuming from the newest intact checkpoint %s and pointing the link at it",
+                                link, f"points to {os.readlink(link)}" if link.is_symlink() else "is missing",
+                                path.name)
+                    self._point_latest_to(path)
+                return path, damaged
+            aside = self._move_aside(path)
+            log.error("CHECKPOINT DAMAGED: %s fails its manifest check (%s); moved aside to %s", path,
+                      "; ".join(problems), aside.name)
+            damaged.append({"checkpoint": path.name, "moved_to": aside.name, "problems": problems})
+        found = sorted(p.name for p in self.dir.glob(f"step-*{DAMAGED}*")) if self.dir.is_dir() else []
+        if found:
+            details = "".join(f"\n  {d['checkpoint']} (moved to {d['moved_to']}): {'; '.join(d['problems'])}"
+                              for d in damaged)
+            raise ValueError(f"no intact checkpoint in {self.dir}; found only damaged ones: {', '.join(found)}"
+                             f"{details}\nTo start this job from step 0, move {self.dir} aside")
+        if link.is_symlink():
+            raise ValueError(f"{link} points to a missing checkpoint ({os.readlink(link)}) and no step-N directory "
+                             f"is beside it")
+        return None, damaged
+
+    def _move_aside(self, path: Path) -> Path:
+        aside, n = path.with_name(path.name + DAMAGED), 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{path.name}{DAMAGED}-{n}")
+        os.replace(path, aside)
+        _fsync_dir(self.dir)
+        return aside
+
+    def _check_writable(self) -> None:
+        """Fail at start, not at the first save after hours of steps."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".write-test-{os.getpid()}.tmp"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"checkpoint directory {self.dir} cannot be written: {e.strerror or e}") from None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict,
              config_json: str) -> Path:
-        """Write checkpoint `step` (a collective call: every rank writes its shards), then move `latest` to it.
+        """Write checkpoint `step` (a collective call: every rank writes its shards, then checksums its share of
+        the files for the manifest), then move `latest` to it. An existing `step-<N>` is never overwritten.
 
         Without an optimizer only the model is written (a seed checkpoint).
         """
@@ -177,18 +358,40 @@ class Checkpointer:
         maybe_crash("during_save", step)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(capture_rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
-        _barrier()  # every rank's files are on disk before the rename makes the checkpoint visible
+        _barrier()  # every rank's files are on disk before they are listed
+        files, exists = self._describe_shares(tmp, final)
+        if exists:
+            raise ValueError(f"{final} already exists: a run never overwrites a checkpoint (is another run using "
+                             f"{self.dir.parent}?)")
         if self.rank == 0:
             _write_durably(tmp / "config.json", config_json)
             _write_durably(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}, indent=2))
-            if final.exists():  # a checkpoint of this step from an earlier, superseded attempt
-                shutil.rmtree(final)
+            files.update(describe_files(tmp, ["config.json", TRAINER_STATE]))
+            maybe_crash("before_manifest", step)
+            _write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": dict(sorted(files.items()))},
+                                                      indent=1))
             os.replace(tmp, final)
             _fsync_dir(self.dir)
+            maybe_crash("before_latest", step)
             self._point_latest_to(final)
             self._apply_retention(step)
         _barrier()
         return final
+
+    def _describe_shares(self, tmp: Path, final: Path) -> tuple[dict[str, dict], bool]:
+        """Every file of `tmp` with its size and CRC-32, each rank reading its share; and whether `final` exists
+        (rank 0's view), on every rank."""
+        import torch.distributed as dist
+
+        names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return describe_files(tmp, names), final.exists()
+        world = dist.get_world_size()
+        mine = (describe_files(tmp, names[self.rank::world]), self.rank == 0 and final.exists())
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        files = {name: entry for part, _ in gathered for name, entry in part.items()}
+        return files, gathered[0][1]
 
     def _point_latest_to(self, target: Path) -> None:
         tmp_link = self.dir / "latest.tmp"
@@ -269,7 +472,7 @@ def read_trainer_state(path: Path) -> dict:
 def has_optimizer_state(path: Path) -> bool:
     """Whether checkpoint `path` holds optimizer state (a seed or converted checkpoint holds the model only)."""
     with single_process_ok():
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = SafeReader(path).read_metadata()
     return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
 
 
@@ -280,8 +483,15 @@ def _dcp_load(state: dict, path: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
+        SafeReader(path).read_metadata()  # a refused .metadata is reported alone, before DCP's own attempts
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path} cannot be read: {e}") from None
+    except (OSError, EOFError) as e:
+        raise ValueError(f"checkpoint {path} cannot be read: {path / '.metadata'}: "
+                         f"{getattr(e, 'strerror', None) or 'a file ends early (truncated)'}") from None
+    try:
         with single_process_ok():
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=SafeReader(path), planner=_safe_planner())
     except (OSError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
         cause = e
         if isinstance(e, CheckpointException) and e.failures:  # the first failing rank's own error
@@ -294,9 +504,11 @@ def _dcp_load(state: dict, path: Path) -> None:
             reason = cause.strerror
         else:
             reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        raise ValueError(f"checkpoint {path} cannot be read: {where}: {reason}. It is damaged or incomplete: move it "
-                         f"aside and point {path.parent / 'latest'} at an earlier checkpoint to resume from there") \
-            from e
+        if isinstance(cause, ValueError) and "refused" in str(cause):  # SafeReader's refusal names the file
+            raise ValueError(f"checkpoint {path} cannot be read: {cause}") from None
+        raise ValueError(f"checkpoint {path} cannot be read: {where}: {reason}. It is damaged or incomplete "
+                         f"(`maester checkpoint verify {path}` checks every file): move it aside to resume from an "
+                         f"earlier one") from e
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

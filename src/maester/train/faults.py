@@ -2,7 +2,8 @@
 (on that rank only, with `@rank`).
 
 Points: `after_step` (SIGKILL after the optimizer step), `during_save` (SIGKILL with the checkpoint files partly
-written), `nan_loss` (the step's loss becomes NaN before backward), `hang` (sleep `_MAESTER_HANG_SECONDS`, default
+written), `before_manifest` (SIGKILL with every file but the manifest written), `before_latest` (SIGKILL after
+the rename, before `latest` moves), `nan_loss` (the step's loss becomes NaN before backward), `hang` (sleep `_MAESTER_HANG_SECONDS`, default
 600, after the step: a rank that stops answering collectives).
 """
 

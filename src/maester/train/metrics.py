@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -149,6 +150,11 @@ class MetricsWriter:
         else:
             log.info(line)
 
+    def write_event(self, record: dict) -> None:
+        """An event line ({"event": ..., "step": ...}), e.g. a damaged checkpoint moved aside at resume; readers of
+        the steps skip it."""
+        self._file.write(json.dumps(record) + "\n")
+
     def _to_sinks(self, record: dict) -> None:
         values = scalars(record)
         for sink in self.sinks:
@@ -167,11 +173,33 @@ def open_metrics(cfg, job_dir: Path, progress=None, resume_step: int = 0) -> Met
     `cfg.logging` enables."""
     sinks = open_sinks(cfg, job_dir, resume_step)
     try:
+        _drop_lines_after(job_dir / "metrics.jsonl", resume_step)
         return MetricsWriter(job_dir / "metrics.jsonl", progress, sinks)
     except BaseException:
         for sink in sinks:
             sink.close()
         raise
+
+
+def _drop_lines_after(path: Path, step: int) -> None:
+    """Lines of steps after `step`, logged by an earlier attempt that died before its next checkpoint: the run that
+    resumes at `step` logs them again, so that every step is in the file once. Replaced atomically."""
+    if not path.is_file():
+        return
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(kept))
+        os.replace(tmp, path)
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def _drop_partial_last_line(path: Path) -> None:
@@ -215,6 +243,10 @@ def read_metrics(path: Path) -> list[dict]:
             if lineno == len(lines):  # a running job may be writing its last line right now
                 break
             raise ValueError(f"{path}:{lineno}: not valid JSON") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{lineno}: not a metrics record (no integer 'step')")
+        if "event" in record:
+            continue
         # A train line starts its step afresh (a restart logs the steps after its checkpoint again, dropping what
         # the earlier attempt logged there); the eval line that follows it merges in.
         step = record["step"]

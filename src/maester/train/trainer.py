@@ -226,7 +226,7 @@ class Trainer:
         `checkpoint.init_from` that `checkpoint.load_mode` names (of an `hf:` directory, the weights only); else start
         fresh at `checkpoint.step_offset`."""
         c, total = self.cfg.checkpoint, self.cfg.training.steps
-        latest = self.checkpointer.latest_agreed()  # every rank resumes from rank 0's choice
+        latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
         if latest is not None and not read_trainer_state(latest).get("seed_checkpoint"):
             state = self.checkpointer.load(latest, self.model, self.optimizer, "continue")
             self._take_trainer_state(state, LOAD_MODES["continue"])
@@ -299,6 +299,8 @@ class Trainer:
         progress = progress_bar("train", total=total, initial=self.step, unit="step",
                                 disable=True if self.rank != 0 else None)
         writer = open_metrics(cfg, self.job_dir, progress, self.step) if self.rank == 0 else None
+        for record in self.damaged_checkpoints if writer is not None else ():
+            writer.write_event({"event": "checkpoint_damaged", "step": self.step, **record})
         flops_per_token = model_flops_per_token(model, cfg.data.seq_len)
         peak = device_peak_flops(self.device)
         max_norm = cfg.training.max_grad_norm or math.inf
