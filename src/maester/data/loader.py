@@ -129,7 +129,7 @@ def validation_source_batches(source: DataSourceConfig, data: DataConfig, tokeni
     from maester.data.token_stream import TokenSource, source_format
 
     if source_format(source) in PRETOKENIZED:
-        held = TokenSource(source, seq)
+        held = TokenSource(source, seq, tokenizer.vocab_size)
         windows = [held.window(w) for w in range(held.num_windows)]
     else:
         from maester.data.text_files import InvalidDocument, TextSource

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, SFTConfig, TokenizerConfig
+from maester.data.packing import IGNORE_INDEX
 from maester.data.permutation import Permutation, mix64, seed_key
 
 log = logging.getLogger("maester")
@@ -89,9 +90,10 @@ def is_packed_file(path: Path) -> bool:
     return {"input_ids", "labels"} <= set(pq.read_schema(path).names)
 
 
-def read_packed(files: list[Path], seq_len: int, tokenizer_cfg: TokenizerConfig) -> dict[str, np.ndarray]:
-    """The rows of Parquet files written by `maester data pack`, checked against `data.seq_len` and the kind of
-    tokenizer."""
+def read_packed(files: list[Path], seq_len: int, tokenizer_cfg: TokenizerConfig,
+                vocab_size: int) -> dict[str, np.ndarray]:
+    """The rows of Parquet files written by `maester data pack`, checked against `data.seq_len`, the kind of
+    tokenizer and its vocabulary (every id of input_ids and labels)."""
     import pyarrow.parquet as pq
 
     parts: dict[str, list] = {k: [] for k in PACKED_COLUMNS}
@@ -117,7 +119,16 @@ def read_packed(files: list[Path], seq_len: int, tokenizer_cfg: TokenizerConfig)
             flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
             if len(flat) != len(table) * seq_len:
                 raise ValueError(f"{path}: column {name!r} does not hold rows of {seq_len} tokens")
-            parts[name].append(flat.reshape(len(table), seq_len))
+            rows = flat.reshape(len(table), seq_len)
+            if name in ("input_ids", "labels"):
+                negative = (rows < 0) & (rows != IGNORE_INDEX) if name == "labels" else rows < 0
+                bad = (rows >= vocab_size) | negative
+                if bad.any():
+                    row, col = (int(i[0]) for i in np.nonzero(bad))
+                    raise ValueError(f"{path}: row {row}, {name}[{col}] = {int(rows[row, col])} is outside the "
+                                     f"tokenizer's vocabulary of {vocab_size} ids: the rows were packed with "
+                                     f"another tokenizer, or the file is damaged")
+            parts[name].append(rows)
         parts["seq_lens"] += [np.asarray(v, np.int64) for v in table.column("seq_lens").to_pylist()]
     out = {k: np.concatenate(v) for k, v in parts.items() if k != "seq_lens"}
     out["seq_lens"] = np.array(parts["seq_lens"] + [None], dtype=object)[:-1]
@@ -128,7 +139,8 @@ def _take_rows(rows: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.nd
     return {k: v[mask] for k, v in rows.items()}
 
 
-def load_source(cfg: DataSourceConfig, data: DataConfig, tokenizer_cfg: TokenizerConfig) -> SFTSource:
+def load_source(cfg: DataSourceConfig, data: DataConfig, tokenizer_cfg: TokenizerConfig,
+                vocab_size: int) -> SFTSource:
     """Read, encode (in `data.num_workers` processes), fit to `seq_len` and split one source. Bad records raise
     (naming file and line or row) unless `data.skip_invalid`, which counts them instead."""
     from maester.data.packing import fit_length
@@ -143,7 +155,7 @@ def load_source(cfg: DataSourceConfig, data: DataConfig, tokenizer_cfg: Tokenize
         if len(packed) != len(files):
             raise ValueError(f"data source {cfg.path!r} mixes packed rows ({packed[0]}) with conversations "
                              f"({next(f for f in files if f not in packed)}); use one source for each")
-        rows = read_packed(files, data.seq_len, tokenizer_cfg)
+        rows = read_packed(files, data.seq_len, tokenizer_cfg, vocab_size)
         held = _held_out(cfg.display_name(), len(rows["input_ids"]), cfg.validation_fraction)
         source.packed, source.packed_validation = _take_rows(rows, ~held), _take_rows(rows, held)
         source.counts["rows"] = len(rows["input_ids"])
@@ -209,7 +221,7 @@ class SFTLoader:
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-        self.sources = [load_source(cfg, data, tokenizer_cfg) for cfg in data.sources]
+        self.sources = [load_source(cfg, data, tokenizer_cfg, tokenizer.vocab_size) for cfg in data.sources]
         self._fingerprint = self._compute_fingerprint(tokenizer_cfg)
         self.epoch, self.offset, self.rows_taken = 0, 0, 0
         self._plan: EpochPlan | None = None

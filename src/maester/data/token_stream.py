@@ -23,6 +23,7 @@ from maester.data.indexed import LLMC_MAGIC, IndexedDataset, read_llmc_shard, re
 from maester.data.permutation import Permutation, seed_key
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / phi
+OPEN_SCAN_TOKENS = 1 << 28  # files up to this many tokens are checked whole at open (about 0.3 s per GB)
 
 
 def source_format(cfg: DataSourceConfig) -> str:
@@ -56,8 +57,9 @@ def _fingerprint_file(path: Path, h) -> None:
 class TokenSource:
     """One pre-tokenized source as windows; the last `validation_fraction` of them is held out."""
 
-    def __init__(self, cfg: DataSourceConfig, seq_len: int):
+    def __init__(self, cfg: DataSourceConfig, seq_len: int, vocab_size: int):
         self.cfg, self.seq_len, self.format = cfg, seq_len, source_format(cfg)
+        self.vocab_size = vocab_size
         self.indexed: IndexedDataset | None = None
         if self.format == "indexed":
             self.indexed = IndexedDataset(cfg.path)
@@ -70,6 +72,11 @@ class TokenSource:
             read = read_llmc_shard if self.format == "llmc" else read_nanogpt_bin
             self.files = [Path(m) for m in matches]
             self.pieces = [read(m) for m in matches]
+        self.token_files = [self.indexed.bin_path] if self.indexed is not None else self.files
+        for j, piece in enumerate(self.pieces):  # files up to 2^28 tokens now; larger ones window by window
+            if len(piece) <= OPEN_SCAN_TOKENS:
+                for start in range(0, len(piece), 1 << 24):
+                    self._check_ids(np.asarray(piece[start:start + (1 << 24)]), j, start)
         counts = [max(0, (len(p) - 1) // seq_len) for p in self.pieces]
         self.ends = np.cumsum(counts)
         total = int(self.ends[-1]) if len(counts) else 0
@@ -86,11 +93,21 @@ class TokenSource:
         i = w - (int(self.ends[j - 1]) if j else 0)
         start = i * self.seq_len
         tokens = np.asarray(self.pieces[j][start:start + self.seq_len + 1], dtype=np.int64)
+        self._check_ids(tokens, j, start)
         if self.indexed is None:
             return tokens, None
         item = self.indexed.dtype.itemsize
         offsets = np.arange(start, start + self.seq_len + 1, dtype=np.int64) * item
         return tokens, np.searchsorted(self.indexed.pointers, offsets, side="right") - 1
+
+    def _check_ids(self, tokens: np.ndarray, j: int, start: int) -> None:
+        """Every id of `tokens` (piece j from token `start`) is in the vocabulary: checked on the host, where a bad
+        id is an error naming the file, not an index error in the embedding (a device-side assert on a GPU)."""
+        if tokens.size and (int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0):
+            at = int(np.flatnonzero((tokens >= self.vocab_size) | (tokens < 0))[0])
+            raise ValueError(f"data source {self.cfg.path!r}: {self.token_files[j]}: token id {int(tokens[at])} at token "
+                             f"{start + at:,} is outside the tokenizer's vocabulary of {self.vocab_size} ids: the "
+                             f"data was tokenized with another tokenizer, or the file is damaged")
 
     def fingerprint(self, h) -> None:
         h.update(json.dumps([self.cfg.path, self.format, self.cfg.weight, self.cfg.validation_fraction]).encode())
@@ -108,7 +125,7 @@ class TokenLoader:
         check_batch_split(global_batch, micro_batch, dp_size)
         self.data, self.tokenizer, self.seed = cfg, tokenizer, seed
         self.global_batch, self.micro_batch, self.dp_rank, self.dp_size = global_batch, micro_batch, dp_rank, dp_size
-        self.sources = [TokenSource(s, cfg.seq_len) for s in cfg.sources]
+        self.sources = [TokenSource(s, cfg.seq_len, tokenizer.vocab_size) for s in cfg.sources]
         weights = np.array([s.weight for s in cfg.sources], dtype=np.float64)
         self.bounds = np.cumsum(weights / weights.sum())[:-1]
         self.samples = 0
