@@ -214,8 +214,10 @@ class TextLoader:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         # Not pinned here: the rows are copied into the step's batches, which `Batch.to` pins on their way to
         # the GPU; pinning the workers' rows would be a copy thrown away.
+        from maester.data.worker_pool import ignore_stop_signals
+
         return iter(DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=False,
-                               persistent_workers=True, prefetch_factor=4))
+                               persistent_workers=True, prefetch_factor=4, worker_init_fn=ignore_stop_signals))
 
     def next_step(self) -> list:
         from maester.data.loader import make_batch

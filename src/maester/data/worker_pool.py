@@ -10,8 +10,22 @@ from collections.abc import Callable, Iterable, Iterator
 _worker: Callable | None = None
 
 
+def ignore_stop_signals(_worker_id: int | None = None) -> None:
+    """In a loader worker: leave SIGTERM and SIGINT to the main process. SLURM signals the whole process group on
+    requeue, preemption and time limit, and Ctrl-C reaches every process of the terminal; the main process stops
+    the run (checkpoint, requeue marker) and then ends its workers itself. DataLoader's `worker_init_fn`."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _start(factory: Callable, args: tuple) -> None:
+    """A pool worker ignores Ctrl-C (the main process reports it once and ends the pool with SIGTERM)."""
+    import signal
+
     global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker = factory(*args)
 
 
