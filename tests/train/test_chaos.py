@@ -1,0 +1,19 @@
+"""The short form of `benchmarks/chaos.py`: SIGKILL at random moments (and inside checkpoint saves, and on one of
+two torchrun ranks), resume, again, until the run finishes: its losses equal the undisturbed run's bit for bit, at
+most one `.tmp` directory is ever left, `keep_last` holds, and every step is in metrics.jsonl once."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.chaos import run_chaos, run_undisturbed
+
+
+@pytest.mark.parametrize("nproc,kills", [(1, 5), (2, 2)])
+def test_killed_again_and_again_ends_bit_identical(tmp_path, nproc, kills):
+    steps, interval, keep_last = 15, 3, 2
+    reference = run_undisturbed(tmp_path, nproc, steps, interval, keep_last)
+    result = run_chaos(tmp_path, kills=kills, seed=nproc, nproc=nproc, steps=steps, interval=interval,
+                       keep_last=keep_last, timeout=600)
+    assert result["kills"] >= kills
+    assert result["losses"] == reference
