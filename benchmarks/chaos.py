@@ -127,7 +127,7 @@ def run_chaos(root: Path, *, kills: int, seed: int, nproc: int = 1, steps: int =
                 os.killpg(proc.pid, signal.SIGKILL)
                 raise AssertionError(f"no end after {timeout} s and {killed} kills")
             if stop_after is not None and max(logged_steps(job), default=0) >= stop_after:
-                time.sleep(rng.uniform(0, 0.3))  # somewhere in the next step, or its save
+                time.sleep(rng.uniform(0, 0.05))  # somewhere in the next step or two, or a save
                 victims = children_of(proc.pid) if nproc > 1 else [proc.pid]
                 if victims and proc.poll() is None:
                     os.kill(rng.choice(victims), signal.SIGKILL)
@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=25, help="random kills of the one-process run")
     parser.add_argument("--rank-kills", type=int, default=10, help="random kills of one of two torchrun ranks")
     parser.add_argument("--nproc", type=int, default=0, help="run only this layout (1 or 2); 0: both")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--keep-last", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

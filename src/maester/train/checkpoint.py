@@ -353,45 +353,82 @@ class Checkpointer:
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
-        with single_process_ok():
-            dcp.save(state, checkpoint_id=tmp)
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            with single_process_ok():
+                dcp.save(state, checkpoint_id=tmp)  # a rank's failure is raised on every rank
+        except (OSError, RuntimeError, CheckpointException) as e:
+            raise self._not_written(final, tmp, e) from e
         maybe_crash("during_save", step)
-        (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(capture_rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
+        local_error = None
+        try:
+            (tmp / "rng").mkdir(exist_ok=True)
+            rng = io.BytesIO()  # written with open(): a full disk is an OSError, not torch's zip writer's error
+            torch.save(capture_rng_state(), rng)
+            _write_durably(tmp / "rng" / f"rank{self.rank}.pt", rng.getvalue())
+            if self.rank == 0:
+                _write_durably(tmp / "config.json", config_json)
+                _write_durably(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}, indent=2))
+        except OSError as e:
+            local_error = e
         _barrier()  # every rank's files are on disk before they are listed
-        files, exists = self._describe_shares(tmp, final)
+        files, exists, error = self._describe_shares(tmp, final, local_error)
+        if error is not None:
+            raise self._not_written(final, tmp, error)
         if exists:
             raise ValueError(f"{final} already exists: a run never overwrites a checkpoint (is another run using "
                              f"{self.dir.parent}?)")
         if self.rank == 0:
-            _write_durably(tmp / "config.json", config_json)
-            _write_durably(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}, indent=2))
-            files.update(describe_files(tmp, ["config.json", TRAINER_STATE]))
-            maybe_crash("before_manifest", step)
-            _write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": dict(sorted(files.items()))},
-                                                      indent=1))
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
+            try:
+                maybe_crash("before_manifest", step)
+                _write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": dict(sorted(files.items()))},
+                                                          indent=1))
+                os.replace(tmp, final)
+                _fsync_dir(self.dir)
+            except OSError as e:
+                error = e
+        error = _from_rank_zero(error)  # in place of a barrier: every rank learns whether the rename happened
+        if error is not None:
+            raise self._not_written(final, tmp, error)
+        if self.rank == 0:
             maybe_crash("before_latest", step)
             self._point_latest_to(final)
             self._apply_retention(step)
         _barrier()
         return final
 
-    def _describe_shares(self, tmp: Path, final: Path) -> tuple[dict[str, dict], bool]:
-        """Every file of `tmp` with its size and CRC-32, each rank reading its share; and whether `final` exists
-        (rank 0's view), on every rank."""
+    def _not_written(self, final: Path, tmp: Path, error) -> ValueError:
+        """The error of a save that failed (a full disk, a quota): the previous checkpoint is untouched. Rank 0
+        removes the partial files, which would otherwise hold the space until the next save."""
+        if isinstance(error, BaseException):
+            # torch's zip writer turns a failed write into "unexpected pos": a probe write finds the reason
+            error = (_failed_write(self.dir) if isinstance(error, RuntimeError) or "unexpected pos" in str(error)
+                     else None) or _reason(error)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = self.latest()
+        kept = f"{previous.name} is unchanged and is where a resume starts" if previous else "there is no earlier one"
+        return ValueError(f"checkpoint {final.name} could not be written in {self.dir}: {error}. Nothing of it is "
+                          f"kept; {kept}. Free space (or raise the quota) and run again")
+
+    def _describe_shares(self, tmp: Path, final: Path, error: OSError | None) -> tuple[dict[str, dict], bool,
+                                                                                      str | None]:
+        """Every file of `tmp` with its size and CRC-32, each rank reading its share; whether `final` exists (rank
+        0's view); and the first rank's write error (`error` is this rank's), on every rank."""
         import torch.distributed as dist
 
         names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        reason = None if error is None else _reason(error)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return describe_files(tmp, names), final.exists()
+            return ({} if reason else describe_files(tmp, names)), final.exists(), reason
         world = dist.get_world_size()
-        mine = (describe_files(tmp, names[self.rank::world]), self.rank == 0 and final.exists())
+        mine = ({} if reason else describe_files(tmp, names[self.rank::world]), self.rank == 0 and final.exists(),
+                reason)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, mine)
-        files = {name: entry for part, _ in gathered for name, entry in part.items()}
-        return files, gathered[0][1]
+        files = {name: entry for part, _, _ in gathered for name, entry in part.items()}
+        return files, gathered[0][1], next((r for _, _, r in gathered if r), None)
 
     def _point_latest_to(self, target: Path) -> None:
         tmp_link = self.dir / "latest.tmp"
@@ -575,13 +612,52 @@ def _read_hf_state(path: Path, model: nn.Module, name: str, where: str) -> dict[
     return {k: v.to(dtypes[k]) if k in dtypes else v for k, v in state.items()}
 
 
+def _reason(error: BaseException) -> str:
+    """What went wrong, from an OSError or DCP's CheckpointException (which holds each failing rank's error)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException) and error.failures:
+        failure = next(iter(error.failures.values()))
+        error = failure[0] if isinstance(failure, tuple) else failure
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _failed_write(directory: Path) -> str | None:
+    """The OSError of writing 4 MiB into `directory` (a full disk, a quota, a file size limit), or None."""
+    probe = directory / f".write-probe-{os.getpid()}.tmp"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(4 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _from_rank_zero(error: BaseException | None) -> str | None:
+    """Rank 0's error (or None) on every rank; a barrier too."""
+    import torch.distributed as dist
+
+    reason = None if error is None else _reason(error)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return reason
+    box = [reason]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
 
 
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+def _write_durably(path: Path, text: str | bytes) -> None:
+    with open(path, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
