@@ -590,7 +590,15 @@ def _data_tokenizer(args):
                             control_tokens=parse_pairs(args.control_tokens, "--control-tokens", "MARKER=TOKEN"))
 
 
+def _terminated(signum, frame) -> None:
+    """SIGTERM in a data tool: unwind like Ctrl-C, so that its temporary files are removed on the way out."""
+    raise KeyboardInterrupt
+
+
 def _data(args) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated)
     action = args.data_command
     if action == "tokenize":
         from maester.tools.data_tokenize import tokenize

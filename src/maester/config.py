@@ -339,7 +339,7 @@ class ParamGroupRule(Section):
 class MuonConfig(Section):
     """Muon: momentum, then Newton-Schulz orthogonalisation of each hidden matrix's update."""
 
-    lr: float = Field(0.02, gt=0)
+    lr: float = Field(0.02, gt=0, allow_inf_nan=False)
     momentum: float = Field(0.95, ge=0, lt=1)
     nesterov: bool = True
     ns_steps: int = Field(5, ge=1)
@@ -369,7 +369,7 @@ class OptimizerConfig(Section):
     name: str = "adamw"
     """`adamw`, `adam`, `sgd`, `muon` (Muon for hidden matrices and AdamW for the rest, one optimizer), any
     `torch.optim` class by name (`RMSprop`, `Adagrad`, ...) or an importable `package.module.Class`."""
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, allow_inf_nan=False)
     """Base LR (Muon's AdamW part included); each group's rule and μP multiply it, the schedule scales it."""
     betas: tuple[float, float] = (0.9, 0.95)
     """Adam-family only (adamw, adam, Muon's AdamW part)."""
@@ -793,7 +793,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist" if not path.exists() else
                           f"config file {path} is not a file")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":

@@ -60,6 +60,10 @@ def why_no_gpu() -> str:
     return f"{build} ({stack}) cannot use a GPU: {reason}{hint}"
 
 
+class DeviceUnavailable(RuntimeError, ValueError):
+    """The run asks for a GPU that cannot be used: a one-line error of the run's settings, not a crash."""
+
+
 def choose_device_type(choice: str, precision: str, env: Mapping[str, str] | None = None) -> str:
     """"cuda" or "cpu" for `training.device` = `choice` ("auto", "cuda" or "cpu"); raises where the GPU was meant
     and cannot be used, saying why."""
@@ -68,10 +72,10 @@ def choose_device_type(choice: str, precision: str, env: Mapping[str, str] | Non
     if torch.cuda.is_available():
         return "cuda"
     if choice == "cuda":
-        raise RuntimeError(f"training.device = 'cuda', but {why_no_gpu()}")
+        raise DeviceUnavailable(f"training.device = 'cuda', but {why_no_gpu()}")
     reasons = gpu_intent(precision, env)
     if reasons:
-        raise RuntimeError(f"training.device = 'auto' found no usable GPU, but this run was meant for GPUs "
+        raise DeviceUnavailable(f"training.device = 'auto' found no usable GPU, but this run was meant for GPUs "
                            f"({'; '.join(reasons)}): {why_no_gpu()}. To train on the CPU on purpose, set "
                            f"training.device = 'cpu'")
     return "cpu"

@@ -92,7 +92,8 @@ def read_prompts(path: str | Path) -> list[Prompt]:
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
+        raise FileNotFoundError(f"prompts file {path} is a directory, not a file" if path.is_dir() else
+                                f"prompts file {path} does not exist")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:

@@ -541,8 +541,10 @@ def _dcp_load(state: dict, path: Path) -> None:
             reason = cause.strerror
         else:
             reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        if isinstance(cause, ValueError) and "refused" in str(cause):  # SafeReader's refusal names the file
-            raise ValueError(f"checkpoint {path} cannot be read: {cause}") from None
+        if any(m in reason for m in ("Size mismatch", "Missing key", "mismatch sizes")):
+            raise ValueError(f"checkpoint {path} does not fit this run's model: {reason}. The checkpoint is not "
+                             f"damaged: the model differs from the one that saved it (compare model.* with "
+                             f"{path / 'config.json'})") from None
         raise ValueError(f"checkpoint {path} cannot be read: {where}: {reason}. It is damaged or incomplete "
                          f"(`maester checkpoint verify {path}` checks every file): move it aside to resume from an "
                          f"earlier one") from e

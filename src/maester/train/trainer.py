@@ -175,6 +175,10 @@ class Trainer:
 
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         args = resolve_args(cfg.model, self.tokenizer.vocab_size, cfg.mup)
+        if cfg.data.seq_len > args.max_seq_len:
+            raise ValueError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's context, max_seq_len = "
+                             f"{args.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); set "
+                             f"model.overrides.max_seq_len to train at longer sequences")
         self.precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, self.device.type,
                                            self.dims.fsdp_enabled)
         self.scaler = None  # fp16: made with the parameters, on their device
