@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from maester.files import temp_beside
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -78,9 +79,7 @@ def _paths(prefix: PathLike) -> tuple[Path, Path]:
 # --- atomic writes ---------------------------------------------------------------------------------------------
 
 def _temp_for(final: Path) -> Path:
-    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-    os.close(fd)
-    return Path(name)
+    return temp_beside(final)
 
 
 def _fsync(path: Path) -> None:

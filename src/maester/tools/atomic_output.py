@@ -4,8 +4,9 @@ complete: a run that fails leaves nothing under a final name."""
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
+
+from maester.files import temp_beside
 
 
 class AtomicOutputs:
@@ -26,12 +27,9 @@ class AtomicOutputs:
 
     def temp_for(self, final: Path) -> Path:
         """A new empty temporary file in `final`'s directory, to be renamed to `final` on commit."""
-        final = Path(final)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-        os.close(fd)
-        self._pairs.append((Path(name), final))
-        return Path(name)
+        name = temp_beside(Path(final))
+        self._pairs.append((name, Path(final)))
+        return name
 
     def commit(self) -> None:
         try:

@@ -278,6 +278,8 @@ def count(inputs: Sequence[str], tokenizer: TokenizerConfig, *, output: str | No
           chunk_size: int = DEFAULT_CHUNK_SIZE) -> Summary:
     """Count the tokens of every document; with `output`, write one count per line there."""
     _check_at_least_one(workers=workers, chunk_size=chunk_size)
+    if output and Path(output).is_dir():
+        raise ValueError(f"--output {output} is a directory: give the file to write the counts to")
     reader = RecordReader(inputs, text_key=text_key, skip_invalid=skip_invalid)
     ChunkEncoder(tokenizer, np.int64, append_eod, add_bos)  # a bad tokenizer fails here, before any output
     summary = Summary("count", tokens=0)

@@ -1,0 +1,71 @@
+"""Files written under a temporary name beside their final one: created with the mode the umask gives (not
+mkstemp's 0600, which hides outputs from the other users of a shared project directory), and named by host and
+process so that a later run removes what a killed one left."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+from pathlib import Path
+
+log = logging.getLogger("maester")
+
+
+def umask_mode(mode: int = 0o666) -> int:
+    """`mode` less the process's umask (read by setting it, the only way, and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mode & ~mask
+
+
+def temp_beside(final: Path) -> Path:
+    """A new empty file `.<name>.<host>-<pid>.<random>.tmp` in `final`'s directory, after removing the temporaries
+    of `final` that dead processes of this host left."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(final)
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
+    while True:
+        path = final.parent / f".{final.name}.{host}-{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask applies
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return path
+
+
+def remove_stale_temporaries(final: Path) -> list[Path]:
+    """Remove `final`'s temporaries whose process (on this host) is gone; returns them."""
+    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
+    pattern = re.compile(rf"^\.{re.escape(Path(final).name)}\.{re.escape(host)}-(\d+)\.[0-9a-f]+\.tmp$")
+    removed = []
+    if not Path(final).parent.is_dir():
+        return removed
+    for path in Path(final).parent.iterdir():
+        match = pattern.match(path.name)
+        if match and not _alive(int(match[1])):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d temporary file(s) left by a killed run: %s", len(removed),
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def chmod_to_umask(path: Path) -> None:
+    """Give a file written by a library that creates 0600 files (safetensors) the mode the umask gives."""
+    os.chmod(path, umask_mode())
