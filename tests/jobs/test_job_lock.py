@@ -1,5 +1,6 @@
 """One run per job directory: a second `maester train` of a running job is refused at once and names the holder;
-a requeued SLURM job waits for its predecessor; a killed holder's lock is released by the kernel."""
+a requeued SLURM job waits for its predecessor; a killed holder's lock is released by the kernel. A failed resume
+leaves config.json as it was, and a run started from elsewhere keeps the job script's directory."""
 
 from __future__ import annotations
 
@@ -110,3 +111,14 @@ def test_failed_resume_keeps_config_json(job, tmp_path):
     assert (job / "config.json").read_text() == before
     plain = run_maester(["train", str(job), "--training.steps=4"], cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr[-2000:]
+
+
+def test_training_from_another_directory_keeps_the_scripts_workdir(job, tmp_path):
+    script = (job / "slurm.sh").read_text()
+    assert f"cd {tmp_path}" in script
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = run_maester(["train", str(job), "--training.steps=4"], cwd=elsewhere)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (job / "slurm.sh").read_text().count(f"cd {elsewhere}") == 0
+    assert f"cd {tmp_path}\n" in (job / "slurm.sh").read_text()

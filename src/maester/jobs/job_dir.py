@@ -29,9 +29,24 @@ def write_job_dir(cfg: Config, job_dir: Path | None = None) -> Path:
     for sub in ("logs", "checkpoints"):
         (job_dir / sub).mkdir(parents=True, exist_ok=True)
     _write_atomically(job_dir / CONFIG_FILE, cfg.to_json())
-    _write_atomically(job_dir / "slurm.sh", render_slurm_script(cfg, job_dir))
+    _write_atomically(job_dir / "slurm.sh", render_slurm_script(cfg, job_dir, _workdir_of(job_dir / "slurm.sh")))
     os.chmod(job_dir / "slurm.sh", 0o755)
     return job_dir
+
+
+def _workdir_of(script: Path) -> Path | None:
+    """The directory an existing job script changes to (where the job was created from): a run started from
+    elsewhere keeps it. None for a new job (the current directory)."""
+    import shlex
+
+    if not script.is_file():
+        return None
+    for line in script.read_text().splitlines():
+        if line.startswith("cd "):
+            words = shlex.split(line)
+            if len(words) == 2:
+                return Path(words[1])
+    return None
 
 
 def _write_atomically(path: Path, text: str) -> None:
