@@ -122,6 +122,7 @@ def run_chaos(root: Path, *, kills: int, seed: int, nproc: int = 1, steps: int =
                                 start_new_session=True)
         last = min(steps - 1, done + interval)  # never after the last step: the run would be over
         stop_after = rng.randint(min(done + 1, last), last) if killed < kills and last >= 1 else None
+        killed_by_us = False
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -132,12 +133,12 @@ def run_chaos(root: Path, *, kills: int, seed: int, nproc: int = 1, steps: int =
                 if victims and proc.poll() is None:
                     os.kill(rng.choice(victims), signal.SIGKILL)
                     killed += 1
-                    stop_after = None
+                    killed_by_us, stop_after = True, None
             time.sleep(0.01)
         err = proc.stderr.read()
         if proc.returncode == 0:
             break
-        if "_MAESTER_FAULT" in extra and proc.returncode != 0:
+        if "_MAESTER_FAULT" in extra and not killed_by_us:  # the fault point killed it, inside a save
             fault_kills += 1
         if proc.returncode not in (-signal.SIGKILL, 1) and "Signals.SIGKILL" not in err and "SIGKILL" not in err:
             raise AssertionError(f"attempt {attempts} ended with {proc.returncode}: {err[-3000:]}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from maester.tools.atomic_output import AtomicOutputs
 from maester.train.metrics import read_metrics
 
 
@@ -27,6 +28,7 @@ def plot_loss(job_dir: Path, out: Path | None = None) -> Path:
     ax.set_title(f"{job_dir.name}: training loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out)
+    with AtomicOutputs() as outputs:  # a reader never sees half a PNG
+        fig.savefig(outputs.temp_for(out), format="png")
     plt.close(fig)
     return out
