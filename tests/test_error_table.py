@@ -24,8 +24,21 @@ def root(tmp_path_factory):
     (root / "badutf.jsonl").write_bytes(b'{"text": "a fine document"}\n{"text": "\xff\xfe"}\n')
     (root / "ok.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     (root / "notext.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
-    (root / "metrics_without_step").mkdir()
+    corrupt_parquet(root / "midcorrupt.parquet")
     return root
+
+
+def corrupt_parquet(path) -> None:
+    """A Parquet file whose fourth row group's data is garbage (a bad disk block): readable up to there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"document number {i} " * 30 for i in range(4000)]}), path,
+                   row_group_size=500, compression="snappy")
+    data = bytearray(path.read_bytes())
+    start = pq.ParquetFile(path).metadata.row_group(3).column(0).data_page_offset + 200
+    data[start:start + 4800] = bytes((b * 7 + 13) % 256 for b in data[start:start + 4800])
+    path.write_bytes(bytes(data))
 
 
 def job_copy(root, tmp_path, damage=None):
@@ -59,6 +72,10 @@ CASES = {
     "D4 invalid UTF-8 in a loader worker": (
         lambda r, t: train(r, f'--data.sources=[{{"path":"{r / "badutf.jsonl"}"}}]', "--data.num_workers=1"),
         "badutf.jsonl:2: not valid UTF-8"),
+    "D7 Parquet corrupt in the middle, in a loader worker": (
+        lambda r, t: train(r, f'--data.sources=[{{"path":"{r / "midcorrupt.parquet"}"}}]', "--data.num_workers=1",
+                           "--training.steps=60", "--data.seq_len=64"),
+        "midcorrupt.parquet: row group 3 cannot be read"),
     "μP zero readout with a tied head": (
         lambda r, t: train(r, "--mup.enabled=true", "--mup.base_width=32", "--mup.zero_init_readout=true",
                            "--model.overrides.tie_embeddings=true"), "mup_zero_init_readout needs an untied"),

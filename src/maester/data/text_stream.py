@@ -165,7 +165,7 @@ class _StepRows(IterableDataset):
         while True:
             try:
                 rows = np.stack([s.next_window() for s in streams])
-            except InvalidDocument as e:
+            except (InvalidDocument, ValueError, OSError) as e:  # a bad record, a corrupt or vanished file
                 if info is None:
                     raise
                 # From a worker, as a value: the loader raises it as it is, not wrapped in DataLoader's report.
