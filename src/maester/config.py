@@ -32,6 +32,28 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+NAME_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def check_name(value, key: str) -> None:
+    """A job or sweep name: one path component of letters, digits, '-', '_' and '.' (it becomes a directory and
+    goes into the job script)."""
+    if not isinstance(value, str) or not value or set(value) - NAME_CHARACTERS or value.startswith("."):
+        raise ValueError(f"{key} {value!r} may only contain letters, digits, '-', '_' and '.'")
+
+
+def check_script_value(value: str | None, key: str, spaces: bool = True) -> None:
+    """A value the job script holds: no control character (a newline would start a shell line of its own, and
+    sbatch ignores the #SBATCH lines after it); no space or quote where an #SBATCH option takes it bare."""
+    if value is None:
+        return
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise ValueError(f"{key} {value!r} holds a control character (a newline, a tab, ...): refused, as it would "
+                         f"break the job script")
+    if not spaces and any(ch.isspace() or ch in "\"'`$;&|<>" for ch in value):
+        raise ValueError(f"{key} {value!r} holds a space or a shell character: an #SBATCH option takes one word")
+
+
 class JobConfig(Section):
     name: str = "demo"
     """Job name: the job directory is `<dump_dir>/<name>`."""
@@ -39,9 +61,11 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _check_name(self) -> "JobConfig":
-        allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-        if not self.name or set(self.name) - allowed or self.name.startswith("."):
-            raise ValueError(f"job.name {self.name!r} may only contain letters, digits, '-', '_' and '.'")
+        check_name(self.name, "job.name")
+        check_script_value(self.dump_dir, "job.dump_dir")
+        if '"' in self.dump_dir:
+            raise ValueError(f"job.dump_dir {self.dump_dir!r} holds a double quote, which the job script's "
+                             f"#SBATCH --output line cannot take")
         return self
 
 
@@ -693,6 +717,14 @@ class SlurmConfig(Section):
         for key in self.env:
             if not key.replace("_", "a").isalnum() or key[0].isdigit():
                 raise ValueError(f"slurm.env: {key!r} is not an environment variable name")
+        for key in ("partition", "account", "qos", "mem", "time"):
+            check_script_value(getattr(self, key), f"slurm.{key}", spaces=False)
+        for key in ("python", "template"):
+            check_script_value(getattr(self, key), f"slurm.{key}")
+        for i, value in enumerate(self.modules):
+            check_script_value(value, f"slurm.modules[{i}]")
+        for name, value in self.env.items():
+            check_script_value(value, f"slurm.env.{name}")
         return self
 
 

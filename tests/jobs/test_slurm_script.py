@@ -56,7 +56,7 @@ def test_the_rendered_script_holds_what_the_config_says():
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4", "#SBATCH --account=proj42",
                  "#SBATCH --time=1-12:00:00", "#SBATCH --exclusive", "#SBATCH --mail-type=END",
                  "#SBATCH --signal=B:USR1@300", "module load cuda/12.4", "export HF_HOME='/scratch/hf cache'",
-                 "source /opt/venv/bin/activate", f"#SBATCH --output={JOB_DIR}/logs/%j.out"):
+                 "source /opt/venv/bin/activate", f"#SBATCH --output=\"{JOB_DIR}/logs/%j.out\""):
         assert line in default.splitlines(), line
     assert "--nproc_per_node=4" in default and "singularity" not in default
     assert ("singularity exec --bind=/scratch/project_465000001/maester "

@@ -65,6 +65,10 @@ def render_slurm_script(cfg: Config, job_dir: Path, workdir: Path | None = None)
     import jinja2
 
     job_dir, workdir = Path(job_dir).resolve(), Path(workdir or Path.cwd()).resolve()
+    for what, path in (("the job directory", job_dir), ("the working directory", workdir)):
+        if '"' in str(path) or any(ord(ch) < 32 or ord(ch) == 127 for ch in str(path)):
+            raise SubmitError(f"{what} {str(path)!r} holds a double quote or a control character, which a job "
+                              f"script cannot hold safely: use another path")
     s = cfg.slurm
     preset = {k: v for k, v in PRESETS.get(s.template, {}).items() if getattr(s, k) == type(s).model_fields[k].default}
     s = s.model_copy(update=preset)

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from maester.config import ConfigError, load_config, read_config_file
+from maester.config import ConfigError, check_name, load_config, read_config_file
 from maester.jobs.job_dir import write_job_dir
 from maester.jobs.slurm import SubmitError, check_inputs, recorded_jobs, submit_job
 from maester.progress import progress_bar
@@ -73,6 +73,10 @@ def expand(sweep_path: Path) -> tuple[dict, list[dict]]:
     for key in ("name", "base", "parameters"):
         if key not in spec:
             raise ConfigError(f"{where}: `{key}` is required")
+    try:
+        check_name(spec["name"], "name")
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e} (it names the sweep's directory)") from None
     mode = spec.get("mode", "product")
     if mode not in ("product", "zip"):
         raise ConfigError(f"{where}: mode {mode!r} is not 'product' or 'zip'")

@@ -12,8 +12,8 @@
 #SBATCH --signal=B:USR1@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
-#SBATCH --output=/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.out
-#SBATCH --error=/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.err
+#SBATCH --output="/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.out"
+#SBATCH --error="/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.err"
 #SBATCH --mail-type=END
 
 set -uo pipefail

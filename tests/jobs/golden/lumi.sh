@@ -13,8 +13,8 @@
 #SBATCH --signal=B:USR1@600
 #SBATCH --requeue
 #SBATCH --open-mode=append
-#SBATCH --output=/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.out
-#SBATCH --error=/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.err
+#SBATCH --output="/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.out"
+#SBATCH --error="/scratch/project_465000001/maester/jobs/llama-8b/logs/%j.err"
 
 # The container's access to the Slingshot network (libfabric/CXI): without these binds RCCL falls back to TCP
 # sockets (the LUMI AI guide loads the same module).
