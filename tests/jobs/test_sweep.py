@@ -104,3 +104,35 @@ base = "{REPO / "configs" / "mup" / "lr-transfer.toml"}"
 
     bad = run_maester(["sweep", "report", str(root), "--transfer", "--width-key", "model.dim"], tmp_path)
     assert bad.returncode == 2 and "the sweep has no parameter 'model.dim'" in bad.stderr
+
+
+def test_a_report_that_fails_leaves_neither_file(tmp_path, monkeypatch):
+    """report.csv and report.png appear together and whole: a failure while drawing leaves no CSV behind."""
+    import matplotlib.figure
+
+    path = sweep_file(tmp_path, '[fixed]\n"model.flavor" = "tiny"\n[parameters]\n"optimizer.lr" = [0.001]\n')
+    root = submit_sweep(path, [f"--job.dump_dir={tmp_path / 'jobs'}"], no_submit=True)
+    assert (root / "sweep.json").is_file() and not list(root.glob(".sweep.json.*"))
+
+    def broken(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", broken)
+    with pytest.raises(OSError):
+        report(root)
+    assert sorted(p.name for p in root.iterdir() if not p.is_dir()) == ["sweep.json"]
+
+
+def test_sweep_run_keeps_the_logs_of_a_failed_attempt(tmp_path):
+    from maester.jobs.sweep import SubmitError, run_here
+
+    data = tmp_path / "gone.jsonl"
+    data.write_text(json.dumps({"text": "a document"}) + "\n")
+    path = sweep_file(tmp_path, f'[fixed]\n"model.flavor" = "tiny"\n"data.sources" = [{{path = "{data}"}}]\n'
+                                '[parameters]\n"optimizer.lr" = [0.001]\n')
+    root = submit_sweep(path, [f"--job.dump_dir={tmp_path / 'jobs'}"], no_submit=True)
+    data.unlink()  # the point fails when it runs
+    for _ in range(2):
+        with pytest.raises(SubmitError, match="p000 failed"):
+            run_here(root)
+    assert (root / "p000" / "logs" / "local.err").read_text().count("gone.jsonl") == 2

@@ -32,6 +32,7 @@ from maester.config import ConfigError, check_name, load_config, read_config_fil
 from maester.jobs.job_dir import write_job_dir
 from maester.jobs.slurm import SubmitError, check_inputs, recorded_jobs, submit_job
 from maester.progress import progress_bar
+from maester.tools.atomic_output import AtomicOutputs
 
 SWEEP_FILE = "sweep.json"
 FAILED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -124,7 +125,8 @@ def submit_sweep(sweep_path: Path, extra: list[str], no_submit: bool = False) ->
     record = {"name": spec["name"], "sweep_file": str(sweep_path.resolve()), "base": str(base.resolve()),
               "mode": spec.get("mode", "product"), "points": [{"name": p["name"], "params": p["params"]}
                                                               for p in points]}
-    (root / SWEEP_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    with AtomicOutputs() as outputs:
+        outputs.temp_for(root / SWEEP_FILE).write_text(json.dumps(record, indent=2) + "\n")
     for cfg in progress_bar("sweep submit", configs, unit=" jobs"):
         job_dir = write_job_dir(cfg)
         if not no_submit:
@@ -219,7 +221,8 @@ def run_here(root: Path) -> list[str]:
         (job_dir / "logs").mkdir(parents=True, exist_ok=True)
         bar.write(f"{point['name']}: {' '.join(f'{k}={_format(v)}' for k, v in point['params'].items())}",
                   file=sys.stdout)
-        with open(job_dir / "logs" / "local.out", "w") as out, open(job_dir / "logs" / "local.err", "w") as err:
+        # appended: the logs of an earlier failed attempt stay, the reason it failed among them
+        with open(job_dir / "logs" / "local.out", "a") as out, open(job_dir / "logs" / "local.err", "a") as err:
             code = subprocess.run([sys.executable, "-m", "maester", "train", str(job_dir)], stdout=out,
                                   stderr=err).returncode
         if code != 0:
@@ -275,7 +278,8 @@ def transfer_plot(root: Path, rows: list[dict], lr_key: str, width_key: str) -> 
     fig.suptitle(f"sweep {load_sweep(root)['name']}: LR transfer across widths (star: best LR of each width)")
     fig.tight_layout()
     path = Path(root) / "transfer.png"
-    fig.savefig(path)
+    with AtomicOutputs() as outputs:
+        fig.savefig(outputs.temp_for(path), format="png")
     plt.close(fig)
     return path, best_lrs
 
@@ -293,36 +297,37 @@ def report(root: Path) -> tuple[Path, Path]:
     rows = status(root)
     keys = list(rows[0]["params"]) if rows else []
     csv_path, png_path = root / "report.csv", root / "report.png"
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["job", "slurm_id", "state", *keys, "last_step", "last_loss"])
+    with AtomicOutputs() as outputs:  # both files appear together, each whole
+        with open(outputs.temp_for(csv_path), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["job", "slurm_id", "state", *keys, "last_step", "last_loss"])
+            for r in rows:
+                writer.writerow([r["job"], r["job_id"] or "", r["state"], *(r["params"][k] for k in keys),
+                                 "" if r["step"] is None else r["step"], "" if r["loss"] is None else r["loss"]])
+        fig, axes = plt.subplots(1, len(keys) + 1, figsize=(5 * (len(keys) + 1), 4), dpi=110, squeeze=False)
+        done = [r for r in rows if r["loss"] is not None]
+        for ax, key in zip(axes[0], keys):
+            numeric = all(isinstance(r["params"][key], (int, float)) for r in done)
+            xs = [r["params"][key] if numeric else str(r["params"][key]) for r in done]
+            ax.scatter(xs, [r["loss"] for r in done])
+            if numeric and done and min(xs) > 0 and max(xs) / min(xs) >= 100:
+                ax.set_xscale("log")
+            ax.set_xlabel(key)
+            ax.set_ylabel("last logged loss")
+            ax.grid(alpha=0.3)
+        curves = axes[0][-1]
         for r in rows:
-            writer.writerow([r["job"], r["job_id"] or "", r["state"], *(r["params"][k] for k in keys),
-                             "" if r["step"] is None else r["step"], "" if r["loss"] is None else r["loss"]])
-    fig, axes = plt.subplots(1, len(keys) + 1, figsize=(5 * (len(keys) + 1), 4), dpi=110, squeeze=False)
-    done = [r for r in rows if r["loss"] is not None]
-    for ax, key in zip(axes[0], keys):
-        numeric = all(isinstance(r["params"][key], (int, float)) for r in done)
-        xs = [r["params"][key] if numeric else str(r["params"][key]) for r in done]
-        ax.scatter(xs, [r["loss"] for r in done])
-        if numeric and done and min(xs) > 0 and max(xs) / min(xs) >= 100:
-            ax.set_xscale("log")
-        ax.set_xlabel(key)
-        ax.set_ylabel("last logged loss")
-        ax.grid(alpha=0.3)
-    curves = axes[0][-1]
-    for r in rows:
-        metrics = root / r["job"] / "metrics.jsonl"
-        records = [m for m in read_metrics(metrics) if m.get("loss") is not None] if metrics.is_file() else []
-        if records:
-            curves.plot([m["step"] for m in records], [m["loss"] for m in records], lw=1.2, label=r["job"])
-    curves.set_xlabel("step")
-    curves.set_ylabel("training loss")
-    if any(math.isfinite(r["loss"]) for r in done):
-        curves.legend(fontsize=7)
-    curves.grid(alpha=0.3)
-    fig.suptitle(f"sweep {load_sweep(root)['name']}")
-    fig.tight_layout()
-    fig.savefig(png_path)
+            metrics = root / r["job"] / "metrics.jsonl"
+            records = [m for m in read_metrics(metrics) if m.get("loss") is not None] if metrics.is_file() else []
+            if records:
+                curves.plot([m["step"] for m in records], [m["loss"] for m in records], lw=1.2, label=r["job"])
+        curves.set_xlabel("step")
+        curves.set_ylabel("training loss")
+        if any(math.isfinite(r["loss"]) for r in done):
+            curves.legend(fontsize=7)
+        curves.grid(alpha=0.3)
+        fig.suptitle(f"sweep {load_sweep(root)['name']}")
+        fig.tight_layout()
+        fig.savefig(outputs.temp_for(png_path), format="png")
     plt.close(fig)
     return csv_path, png_path
