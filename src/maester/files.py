@@ -65,7 +65,3 @@ def _alive(pid: int) -> bool:
         return True
     return True
 
-
-def chmod_to_umask(path: Path) -> None:
-    """Give a file written by a library that creates 0600 files (safetensors) the mode the umask gives."""
-    os.chmod(path, umask_mode())

@@ -32,10 +32,11 @@ def submit(tmp_path, name, *args, **extra) -> Path:
     return tmp_path / "jobs" / name
 
 
-def reference(tmp_path, steps: int) -> list[float]:
+def reference(tmp_path, steps: int, **extra) -> list[float]:
     """The same run without SLURM, uninterrupted."""
     out = run_maester(["train", str(DEMO_CONFIG), *tiny_overrides(
-        tmp_path / "corpus.parquet", tmp_path / "local", "ref", training__steps=steps, **CPU_JOB)], tmp_path)
+        tmp_path / "corpus.parquet", tmp_path / "local", "ref", training__steps=steps, **{**CPU_JOB, **extra})],
+        tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     return losses(tmp_path / "local" / "ref")
 
@@ -120,10 +121,20 @@ def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
     assert logs.count("requeue") == 0 or "slurm.requeue is off" in logs
 
 
-def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_here):
+@pytest.mark.parametrize("mode,workers", [("pretrain", 0), ("pretrain", 2), ("sft", 2)])
+def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_here, mode, workers):
+    """`scontrol requeue` signals the whole job, loader workers included (data.num_workers > 0): they leave the
+    stop to the trainer, which saves; the requeued run waits for the lock and resumes."""
     steps = 20
-    expected = reference(corpus_here, steps)
-    job = submit(corpus_here, "preempted", training__steps=steps)
+    extra = {"data__num_workers": workers}
+    if mode == "sft":
+        from tests.data.test_sft import write_conversations
+
+        write_conversations(corpus_here / "chats.jsonl", 200)
+        extra.update(data__mode="sft", data__seq_len=128,
+                     data__sources=json.dumps([{"path": str(corpus_here / "chats.jsonl")}]))
+    expected = reference(corpus_here, steps, **extra)
+    job = submit(corpus_here, "preempted", training__steps=steps, **extra)
     (record,) = recorded_jobs(job)
     wait_for_step(job, 6)
     import subprocess

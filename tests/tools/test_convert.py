@@ -4,6 +4,7 @@ both, checked against `transformers` itself on tiny random models built here (fl
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -178,6 +179,9 @@ def test_to_hf_of_a_trained_job_loads_in_transformers(corpus, tmp_path, capsys):
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()} == {0o666 & ~umask}  # not 0600
 
     model, _, _ = load_for_inference(job, torch.device("cpu"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()

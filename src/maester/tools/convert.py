@@ -29,6 +29,7 @@ import torch
 from maester.config import Config
 from maester.data.chat import read_json_object
 from maester.data.tokenizers import ByteTokenizer, build_tokenizer
+from maester.files import umask_mode
 from maester.models.args import TransformerArgs
 from maester.progress import stages
 from maester.models.hf import (
@@ -348,8 +349,10 @@ def _atomic_directory(out: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        mode = umask_mode()
         for file in tmp.rglob("*"):
             if file.is_file():
+                os.chmod(file, mode)  # safetensors creates its files 0600 whatever the umask
                 with open(file, "rb+") as f:
                     os.fsync(f.fileno())
         _refuse_existing(out)
