@@ -79,10 +79,33 @@ def _rope(hf: dict, layer_type: str | None, where: str) -> tuple[float | None, R
     return theta, scaling, params.get("partial_rotary_factor")
 
 
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def transformer_args_from_hf(hf: dict, where: str = "config.json") -> tuple[str, TransformerArgs]:
+    """`args_from_hf` validated into TransformerArgs; a value the model cannot take names the file and the field."""
+    from pydantic import ValidationError
+
+    name, fields = args_from_hf(hf, where)
+    try:
+        return name, TransformerArgs(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "config"
+        raise HFFormatError(f"{where}: {field} = {first.get('input')!r}: {first['msg']}") from None
+
+
 def args_from_hf(hf: dict, where: str = "config.json") -> tuple[str, dict[str, Any]]:
     """(architecture name, TransformerArgs fields) equivalent to an HF config; unsupported features are errors."""
     name = architecture_of(hf, where)
     hf = _text_config(hf)
+    for key in _REQUIRED:
+        if key not in hf:
+            raise HFFormatError(f"{where}: no {key} (an HF {HF_NAMES[name][1]} config has one)")
+    for key in (*_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise HFFormatError(f"{where}: {key} = {value!r}: must be a positive integer")
     act = hf.get("hidden_act", hf.get("hidden_activation", _ACTIVATIONS[name]))
     if act != _ACTIVATIONS[name]:
         raise HFFormatError(f"{where}: hidden_act {act!r}: maester's {name} uses {_ACTIVATIONS[name]!r}")
@@ -294,6 +317,10 @@ def state_dict_from_hf(name: str, args: TransformerArgs, tensors: dict[str, torc
                     missing.append(key)
                     continue
                 fused = tensors.pop(key)
+                want = [3 * args.n_heads * hd] + ([args.dim] if p == "weight" else [])
+                if list(fused.shape) != want:
+                    raise HFFormatError(f"{_tensor_file(where, key)}: {key} has shape {list(fused.shape)}, but "
+                                        f"{_config_file(where)} implies {want}")
                 per_head = fused.reshape(args.n_heads, 3, hd, *fused.shape[1:])
                 for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                     out[f"layers.{i}.attention.{proj}.{p}"] = per_head[:, j].reshape(args.n_heads * hd,
@@ -308,7 +335,51 @@ def state_dict_from_hf(name: str, args: TransformerArgs, tensors: dict[str, torc
     if tensors:
         raise HFFormatError(f"{where}: {len(tensors)} tensors this {name} model has no place for: "
                             f"{', '.join(sorted(tensors)[:5])}")
+    _check_shapes(name, args, out, mapping, where)
     return out
+
+
+def _check_shapes(name: str, args: TransformerArgs, state: dict[str, torch.Tensor], mapping: dict[str, str],
+                  where: str) -> None:
+    """Every tensor has the shape the config implies (a model of `args` built on the meta device)."""
+    from maester.models.transformer import Transformer
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    for key, tensor in state.items():
+        want = expected.get(key)
+        if want is None or tuple(tensor.shape) == want:
+            continue
+        hf_key = mapping.get(key, key)
+        config = _config_file(where)
+        hint = ""
+        if key in ("tok_embeddings.weight", "output.weight") and tensor.shape[0] != want[0]:
+            hint = f" (vocab_size = {args.vocab_size} in {config}; the tensor has {tensor.shape[0]} rows)"
+        raise HFFormatError(f"{_tensor_file(where, hf_key)}: {hf_key} has shape {list(tensor.shape)}, but "
+                            f"{config} implies {list(want)}{hint}")
+
+
+def _config_file(where: str) -> str:
+    """The config.json of the HF directory `where` for an error message (just "config.json" when `where` is no
+    directory)."""
+    file = Path(where) / "config.json"
+    return str(file) if file.is_file() else "config.json"
+
+
+def _tensor_file(where: str, hf_key: str) -> str:
+    """The safetensors file of the HF directory `where` that holds `hf_key`, for an error message (`where`
+    itself when that cannot be told)."""
+    directory = Path(where)
+    try:
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            file = json.loads(index.read_text())["weight_map"].get(hf_key)
+            return str(directory / file) if isinstance(file, str) else where
+        if (directory / "model.safetensors").is_file():
+            return str(directory / "model.safetensors")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return where
 
 
 def state_dict_to_hf(name: str, args: TransformerArgs, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -336,7 +407,15 @@ def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+            if not all(isinstance(f, str) and f for f in files):
+                raise ValueError("a value in weight_map is not a file name")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            detail = "no weight_map" if isinstance(e, KeyError) else str(e) or type(e).__name__
+            raise HFFormatError(f"{index}: not an HF weight index ({detail}; it maps each tensor name to the "
+                                f"safetensors file that holds it)") from None
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -346,7 +425,12 @@ def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     for file in files:
         if not (directory / file).is_file():
             raise HFFormatError(f"{index}: lists {file}, which is missing")
-        tensors.update(load_file(directory / file))
+        try:
+            tensors.update(load_file(directory / file))
+        except Exception as e:  # safetensors' SafetensorError: truncated, a bad header
+            if type(e).__name__ != "SafetensorError" and not isinstance(e, OSError):
+                raise
+            raise HFFormatError(f"{directory / file}: not a readable safetensors file ({e})") from None
     return tensors
 
 

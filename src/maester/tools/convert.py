@@ -33,7 +33,6 @@ from maester.files import umask_mode
 from maester.models.args import TransformerArgs
 from maester.progress import stages
 from maester.models.hf import (
-    args_from_hf,
     check_convertible,
     hf_config,
     parse_size,
@@ -41,6 +40,7 @@ from maester.models.hf import (
     read_hf_tensors,
     state_dict_from_hf,
     state_dict_to_hf,
+    transformer_args_from_hf,
     write_hf_tensors,
 )
 from maester.models.registry import ARCHITECTURES
@@ -62,8 +62,7 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", toke
     hf_dir, out = Path(hf_dir), Path(out)
     _refuse_existing(out)
     hf = read_hf_config(hf_dir)
-    name, fields = args_from_hf(hf, str(hf_dir / "config.json"))
-    args = TransformerArgs(**fields)
+    name, args = transformer_args_from_hf(hf, str(hf_dir / "config.json"))
     if tokenizer and not (hf_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(
             f"{hf_dir}: no tokenizer.json (maester reads the fast-tokenizer file): copy the model's tokenizer.json "
@@ -84,7 +83,10 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", toke
                 for file in TOKENIZER_FILES:
                     if (hf_dir / file).is_file():
                         shutil.copyfile(hf_dir / file, tmp / TOKENIZER_DIR / file)
-                settings = hf_tokenizer_settings(tmp / TOKENIZER_DIR, hf)
+                try:
+                    settings = hf_tokenizer_settings(tmp / TOKENIZER_DIR, hf)
+                except (ValueError, OSError) as e:  # named by its source, not by the temporary copy
+                    raise ValueError(str(e).replace(str(tmp / TOKENIZER_DIR), str(hf_dir))) from None
                 _check_tokenizer_fits(Config.model_validate({**tree, **settings}))
                 settings["tokenizer"]["path"] = str(final_tokenizer)
                 tree.update(settings)
@@ -136,7 +138,8 @@ def hf_tokenizer_settings(tokenizer_dir: Path, hf: dict) -> dict[str, Any]:
         if tokens[key] is None and isinstance(tid, int):
             tokens[key] = raw.id_to_token(tid)
             if tokens[key] is None:
-                raise ValueError(f"config.json: {key}_token_id {tid} is not in the vocabulary of {file}")
+                raise ValueError(f"{tokenizer_dir / 'config.json'}: {key}_token_id {tid} is not in the vocabulary "
+                                 f"of {file}")
             tokenizer[f"{key}_token"] = tokens[key]
     data: dict[str, Any] = {"add_bos": _adds_bos(raw, config, tokens["bos"])}
     if "chat_template" in config or (tokenizer_dir / "chat_template.jinja").is_file():

@@ -40,7 +40,7 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
     """An HF model directory as a model (float32 on `device`), its tokenizer, and the config that describes them:
     the architecture from config.json (`model.hf_config`), the tokenizer and its chat template as `maester convert
     from-hf` would set them."""
-    from maester.models.hf import read_hf_config
+    from maester.models.hf import read_hf_config, transformer_args_from_hf
     from maester.tools.convert import hf_tokenizer_settings
     from maester.train.checkpoint import load_hf_weights
 
@@ -48,6 +48,7 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
         raise FileNotFoundError(f"{path}: no tokenizer.json: generating from an HF directory needs the model's "
                                 f"tokenizer.json (and tokenizer_config.json) beside its weights")
     hf = read_hf_config(path)
+    transformer_args_from_hf(hf, str(path / "config.json"))  # its errors name the file, not pydantic's Config
     cfg = Config.model_validate({"model": {"hf_config": str(path)}, **hf_tokenizer_settings(path, hf)})
     tokenizer = build_tokenizer(cfg.tokenizer)
     args = resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup)
