@@ -49,54 +49,65 @@ def reshaped(key: str, rows: int):
     return damage
 
 
-def truncated(path):
-    with open(path / "model.safetensors", "r+b") as f:
-        f.truncate(1000)
+def truncated(size: int | None = None):
+    """model.safetensors cut to `size` bytes (half its length when None: the header whole, the data short)."""
+    def damage(path):
+        file = path / "model.safetensors"
+        with open(file, "r+b") as f:
+            f.truncate(size if size is not None else file.stat().st_size // 2)
+    return damage
 
 
 def header_bomb(path):
+    """A header length of 2^62 bytes: refused from the 8 bytes, never allocated."""
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 62) + data[8:])
 
 
+def bad_tokenizer(path):
+    (path / "tokenizer.json").write_text("{bad")
+
+
+# case -> (damage to a good HF directory, text stderr must hold after "<dir>/", commands that meet it)
+BOTH = ("convert", "generate")
 CASES = {
-    "H1 wrong-shaped tensor": (reshaped("model.layers.0.self_attn.q_proj.weight", 7),
-                               "model.layers.0.self_attn.q_proj.weight has shape [7, "),
-    "H6 required key missing": (edit_config(num_hidden_layers=None), "config.json: no num_hidden_layers"),
-    "H7 wrong type": (edit_config(num_hidden_layers="two"), "config.json: num_hidden_layers = 'two': must be a "
-                                                            "positive integer"),
-    "H7 negative": (edit_config(num_hidden_layers=-1), "config.json: num_hidden_layers = -1: must be"),
-    "H7 a bad float": (edit_config(rms_norm_eps="tiny"), "config.json: norm_eps = 'tiny'"),
-    "H8 vocab_size disagrees with the tensors": (edit_config(vocab_size=1000), "(its vocab_size is 1000; the "
-                                                                               "tensor has"),
-    "H9 truncated safetensors": (truncated, "model.safetensors: not a readable safetensors file"),
-    "H9 header-length bomb": (header_bomb, "model.safetensors: not a readable safetensors file"),
+    "H1 wrong-shaped tensor": (reshaped("model.layers.0.self_attn.q_proj.weight", 63),
+                               "model.safetensors: model.layers.0.self_attn.q_proj.weight has shape [63, 64], but "
+                               "{dir}/config.json implies [64, 64]", BOTH),
+    "H6 required key missing": (edit_config(num_hidden_layers=None), "config.json: no num_hidden_layers", BOTH),
+    "H7 wrong type": (edit_config(num_hidden_layers="two"),
+                      "config.json: num_hidden_layers = 'two': must be a positive integer", BOTH),
+    "H7 negative": (edit_config(num_hidden_layers=-1),
+                    "config.json: num_hidden_layers = -1: must be a positive integer", BOTH),
+    "H7 a bad float": (edit_config(rms_norm_eps="tiny"), "config.json: rms_norm_eps = 'tiny': ", BOTH),
+    "H7 a bad RoPE value": (edit_config(rope_parameters={"rope_type": "linear", "factor": "big",
+                                                         "rope_theta": 10000.0}),
+                            "config.json: rope_parameters.factor = 'big': ", BOTH),
+    "H8 vocab_size disagrees with the tensors": (edit_config(vocab_size=1000),
+                                                 "model.safetensors: model.embed_tokens.weight has shape [320, 64], "
+                                                 "but {dir}/config.json implies [1000, 64] (vocab_size = 1000", BOTH),
+    "H9 truncated header": (truncated(1000), "model.safetensors: not a readable safetensors file (", BOTH),
+    "H9 truncated data": (truncated(), "model.safetensors: not a readable safetensors file (", BOTH),
+    "H9 header-length bomb": (header_bomb, "model.safetensors: not a readable safetensors file (", BOTH),
+    "H10 bad tokenizer.json": (bad_tokenizer, "tokenizer.json: not a tokenizer.json the tokenizers library reads",
+                               ("convert",)),  # generate reads it in place: named right before
 }
 
 
-RUNS = [(case, "convert") for case in CASES] + [(case, "generate") for case in (
-    "H1 wrong-shaped tensor", "H6 required key missing", "H7 a bad float", "H9 truncated safetensors")]
-
-
-@pytest.mark.parametrize("case,command", RUNS)
+@pytest.mark.parametrize("case,command", [(case, command) for case, (_, _, commands) in CASES.items()
+                                          for command in commands])
 def test_bad_hf_directory_is_one_line(good, tmp_path, case, command):
     path = tmp_path / "hf"
     shutil.copytree(good, path)
-    damage, expected = CASES[case]
+    damage, expected, _ = CASES[case]
     damage(path)
     args = (["convert", "from-hf", str(path), str(tmp_path / "out")] if command == "convert" else
             ["generate", str(path), "--prompt", "hi", "--max-new-tokens", "2"])
     out = run_maester(args, cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "pydantic.dev" not in out.stderr, out.stderr[-3000:]
-    assert str(path) in out.stderr and expected in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith(f"maester {command}: error: ")]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert f"{path}/{expected.format(dir=path)}" in lines[0], out.stderr[-3000:]
+    assert ".tmp" not in lines[0]  # named by the source, never by convert's temporary output directory
     assert not (tmp_path / "out").exists()
-
-
-def test_bad_tokenizer_json_is_named_by_its_source(good, tmp_path):
-    path = tmp_path / "hf"
-    shutil.copytree(good, path)
-    (path / "tokenizer.json").write_text("{bad")
-    out = run_maester(["convert", "from-hf", str(path), str(tmp_path / "out")], cwd=tmp_path)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert f"{path}/tokenizer.json" in out.stderr and ".tmp" not in out.stderr, out.stderr[-3000:]

@@ -62,18 +62,28 @@ def _text_config(hf: dict) -> dict:
 def _rope(hf: dict, layer_type: str | None, where: str) -> tuple[float | None, RopeScaling | None, float | None]:
     """(theta, scaling, partial_rotary_factor) from either the `rope_parameters` of transformers 5 or the
     `rope_theta` / `rope_scaling` keys of earlier configs."""
-    params = hf.get("rope_parameters")
+    from pydantic import ValidationError
+
+    params, source = hf.get("rope_parameters"), "rope_parameters"
     if isinstance(params, dict) and layer_type is not None and layer_type in params:
-        params = params[layer_type]
+        params, source = params[layer_type], f"rope_parameters.{layer_type}"
     if not isinstance(params, dict) or ("rope_theta" not in params and "rope_type" not in params):
-        params = dict(hf.get("rope_scaling") or {})
+        params, source = hf.get("rope_scaling") or {}, "rope_scaling"
+        if not isinstance(params, dict):
+            raise HFFormatError(f"{where}: rope_scaling = {params!r}: must be an object (or null)")
+        params = dict(params)
     theta = params.get("rope_theta", hf.get("rope_theta"))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         scaling = None
     elif kind in ("llama3", "linear"):
         fields = {k: params[k] for k in RopeScaling.model_fields if k in params and k != "rope_type"}
-        scaling = RopeScaling(rope_type=kind, **fields)
+        try:
+            scaling = RopeScaling(rope_type=kind, **fields)
+        except ValidationError as e:
+            first = e.errors()[0]
+            key = ".".join(str(part) for part in (source, *first["loc"]))
+            raise HFFormatError(f"{where}: {key} = {first.get('input')!r}: {first['msg']}") from None
     else:
         raise HFFormatError(f"{where}: rope type {kind!r} is not supported (default, linear, llama3)")
     return theta, scaling, params.get("partial_rotary_factor")
@@ -91,8 +101,27 @@ def transformer_args_from_hf(hf: dict, where: str = "config.json") -> tuple[str,
         return name, TransformerArgs(**fields)
     except ValidationError as e:
         first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "config"
-        raise HFFormatError(f"{where}: {field} = {first.get('input')!r}: {first['msg']}") from None
+        loc = [str(part) for part in first["loc"]]
+        value = first.get("input")
+        text = _text_config(hf)
+        key = next((k for k in _HF_KEYS.get(loc[0], ()) if k in text and text[k] == value), None) if loc else None
+        if key is None:  # no config key holds it as such (a default, or a value derived from several keys)
+            key = f"maester's {'.'.join(loc) or 'model'} (from this config)"
+        raise HFFormatError(f"{where}: {key} = {value!r}: {first['msg']}") from None
+
+
+# maester TransformerArgs field -> the HF config keys it may come from (for naming a bad value's key)
+_HF_KEYS = {
+    "dim": ("hidden_size",), "n_layers": ("num_hidden_layers",), "n_heads": ("num_attention_heads",),
+    "n_kv_heads": ("num_key_value_heads", "num_attention_heads"), "ffn_hidden_dim": ("intermediate_size",),
+    "vocab_size": ("vocab_size",), "max_seq_len": ("max_position_embeddings",),
+    "tie_embeddings": ("tie_word_embeddings",), "head_dim": ("head_dim",),
+    "norm_eps": ("rms_norm_eps", "layer_norm_eps"), "attention_bias": ("attention_bias",),
+    "mlp_bias": ("mlp_bias",), "parallel_residual": ("use_parallel_residual",),
+    "rotary_fraction": ("rotary_pct", "partial_rotary_factor"), "rope_theta": ("rope_theta", "rotary_emb_base"),
+    "local_rope_theta": ("rope_local_base_freq",), "sliding_window": ("sliding_window",),
+    "sliding_window_pattern": ("sliding_window_pattern",), "query_pre_attn_scalar": ("query_pre_attn_scalar",),
+}
 
 
 def args_from_hf(hf: dict, where: str = "config.json") -> tuple[str, dict[str, Any]]:
