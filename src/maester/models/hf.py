@@ -437,12 +437,15 @@ def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-            if not all(isinstance(f, str) and f for f in files):
+            raw = json.loads(index.read_text())
+            weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ValueError("no weight_map object")
+            if not all(isinstance(f, str) and f for f in weight_map.values()):
                 raise ValueError("a value in weight_map is not a file name")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            detail = "no weight_map" if isinstance(e, KeyError) else str(e) or type(e).__name__
+            files = sorted(set(weight_map.values()))
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError among them
+            detail = str(e)
             raise HFFormatError(f"{index}: not an HF weight index ({detail}; it maps each tensor name to the "
                                 f"safetensors file that holds it)") from None
     elif (directory / "model.safetensors").is_file():
