@@ -4,6 +4,7 @@ process so that a later run removes what a killed one left."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -35,7 +36,20 @@ def temp_beside(final: Path) -> Path:
         except FileExistsError:
             continue
         os.close(fd)
+        if not _created:
+            atexit.register(_remove_created)
+        _created.append(path)
         return path
+
+
+_created: list[Path] = []
+
+
+def _remove_created() -> None:
+    """At exit, whatever way: a temporary still under its temporary name was not committed (a commit renames it
+    away), e.g. when Ctrl-C came between its creation and the `with` block that would remove it."""
+    for path in _created:
+        path.unlink(missing_ok=True)
 
 
 def remove_stale_temporaries(final: Path) -> list[Path]:

@@ -55,16 +55,19 @@ def test_a_killed_runs_temporaries_are_removed_by_the_next_run(tmp_path):
     assert not stale.exists() and alive.exists()
 
 
-def test_sigterm_during_tokenize_leaves_no_temporary(tmp_path):
+@pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_a_stopped_tokenize_leaves_no_temporary(tmp_path, sig, group):
+    """SIGTERM to the process, and Ctrl-C (SIGINT to the whole group: the pool's workers too)."""
     docs(tmp_path / "d.jsonl", 60000)
     proc = subprocess.Popen([sys.executable, "-m", "maester", "data", "tokenize", str(tmp_path / "d.jsonl"),
                              "--output-prefix", str(tmp_path / "out"), "--tokenizer", "byte", "--workers", "2"],
-                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".out*.tmp")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert err.count("Traceback") == 0, err[-3000:]

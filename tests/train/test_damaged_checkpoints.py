@@ -65,10 +65,19 @@ def flip_a_byte(step):
     return shard
 
 
+def truncate_file(name: str):
+    def damage(step):
+        with open(step / name, "r+b") as f:
+            f.truncate(100)
+    return damage
+
+
 DAMAGE = {
     "garbage trainer_state.json": lambda step: (step / "trainer_state.json").write_text("garbage") and None,
     "missing shard": lambda step: next(step.glob("*.distcp")).unlink(),
     "truncated shard": truncate,
+    "truncated .metadata": truncate_file(".metadata"),
+    "truncated RNG state": truncate_file("rng/rank0.pt"),
 }
 
 

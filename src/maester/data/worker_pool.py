@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
@@ -21,11 +22,13 @@ def ignore_stop_signals(_worker_id: int | None = None) -> None:
 
 
 def _start(factory: Callable, args: tuple) -> None:
-    """A pool worker ignores Ctrl-C (the main process reports it once and ends the pool with SIGTERM)."""
+    """A pool worker ignores Ctrl-C (the main process reports it once and ends the pool with SIGTERM). It starts
+    with SIGINT blocked (see `map_in_order`), so a Ctrl-C while it starts up cannot break its imports."""
     import signal
 
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _worker = factory(*args)
 
 
@@ -64,7 +67,13 @@ def map_in_order(factory: Callable, args: tuple, chunks: Iterable, workers: int)
         context.set_forkserver_preload([__name__, factory.__module__])  # imported once, not per worker
     else:
         context = multiprocessing.get_context("spawn")
-    pool = context.Pool(workers, initializer=_start, initargs=(factory, args))
+    # The workers (and the forkserver) inherit a blocked SIGINT, until _start ignores it; here a Ctrl-C waits
+    # until the pool is up, then interrupts as usual.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = context.Pool(workers, initializer=_start, initargs=(factory, args))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         for result in pool.imap(_run, read_ahead()):
             window.release()
