@@ -133,8 +133,11 @@ def test_llmc_shards_and_nanogpt_bins(tmp_path):
     np.arange(1000, dtype="<u2").tofile(nano)
     with pytest.raises(ValueError, match="set format = 'nanogpt'"):
         make(cfg(nano))
+    with pytest.raises(ValueError, match="token id 269 at token 269"):  # ids of another tokenizer
+        make(cfg(DataSourceConfig(path=str(nano), format="nanogpt"), seq_len=9))
+    (np.arange(1000, dtype="<u2") % 256).tofile(nano)
     ld = make(cfg(DataSourceConfig(path=str(nano), format="nanogpt"), seq_len=9))
-    assert all(r == list(range(r[0], r[0] + 10)) for r in rows(ld).tolist())
+    assert all(r == [t % 256 for t in range(r[0], r[0] + 10)] for r in rows(ld).tolist())
 
 
 def test_validation_tail_is_held_out(tmp_path):
