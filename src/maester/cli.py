@@ -469,7 +469,7 @@ def _config(args) -> None:
 
 def _generate(args) -> None:
     from maester.parallel.dims import init_distributed
-    from maester.tools.convert import is_hf_model_dir
+    from maester.tools.hf_dir import is_hf_model_dir
     from maester.tools.generate import Completer, Prompt, load_for_inference, read_prompts
 
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [Prompt("--prompt", text=args.prompt)]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
-from maester.data.loader import build_loader, documents_from_eos
+from maester.data.batch import documents_from_eos
+from maester.data.loader import build_loader
 from maester.data.text_files import InvalidDocument, TextSource, resolve_files
 from maester.data.text_stream import TextLoader
 from maester.data.tokenizers import ByteTokenizer

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from maester.config import DataConfig, SFTConfig, TokenizerConfig
 from maester.data.chat import ChatEncoder
-from maester.data.loader import IGNORE_INDEX
+from maester.data.batch import IGNORE_INDEX
 from maester.data.sft import SFTLoader
 from maester.data.tokenizers import ByteTokenizer
 

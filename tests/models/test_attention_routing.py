@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from maester.config import load_config
-from maester.data.loader import make_batch
+from maester.data.batch import make_batch
 from maester.models import layers
 from maester.models.build import build_on_meta, materialize, resolve_args
 from maester.models.layers import document_offsets, resolve_attention, sdpa_priority

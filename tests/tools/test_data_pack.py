@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 
 from maester.config import SFTConfig
 from maester.data.chat import ChatEncoder
-from maester.data.packing import IGNORE_INDEX, fit_length
+from maester.data.batch import IGNORE_INDEX
+from maester.data.packing import fit_length
 from tests.helpers import REPO, WORDS, clean_env, run_maester
 from tests.tools.test_data_commands import BYTE, data, summary_of, write_jsonl
 

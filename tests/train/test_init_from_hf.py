@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from maester.config import ConfigError, load_config
-from maester.data.loader import IGNORE_INDEX
+from maester.data.batch import IGNORE_INDEX
 from maester.jobs.job_dir import write_job_dir
 from maester.models.hf import read_hf_tensors, state_dict_from_hf
 from maester.tools.convert import from_hf

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from maester.config import load_config
-from maester.data.loader import IGNORE_INDEX, build_loader
+from maester.data.batch import IGNORE_INDEX
+from maester.data.loader import build_loader
 from maester.data.tokenizers import build_tokenizer
 from maester.train.metrics import read_metrics
 from maester.train.trainer import Trainer

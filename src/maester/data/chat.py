@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from maester.config import SFTConfig
-from maester.data.packing import IGNORE_INDEX
+from maester.data.batch import IGNORE_INDEX
 from maester.data.records import INVALID_MESSAGES, InvalidRecord, messages_of, text_of
 from maester.data.tokenizers import ByteTokenizer, ControlTokens, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from maester.data.batch import IGNORE_INDEX
+
 OVERLONG = ("truncate", "drop")
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, SFTConfig, TokenizerConfig
-from maester.data.packing import IGNORE_INDEX
+from maester.data.batch import IGNORE_INDEX, Batch, check_batch_split
 from maester.data.permutation import Permutation, mix64, seed_key
 
 log = logging.getLogger("maester")
@@ -214,8 +214,6 @@ class SFTLoader:
 
     def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int,
                  global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None):
-        from maester.data.loader import check_batch_split
-
         check_batch_split(global_batch, micro_batch, dp_size)
         self.data, self.tokenizer, self.seed, self.group = data, tokenizer, seed, group
         self.global_batch, self.micro_batch = global_batch, micro_batch
@@ -318,8 +316,6 @@ class SFTLoader:
         return [self._batch(rows, seq_lens, i, i + self.micro_batch) for i in range(0, per_rank, self.micro_batch)]
 
     def _batch(self, rows: dict, seq_lens: list, lo: int, hi: int):
-        from maester.data.loader import Batch
-
         t = {k: torch.from_numpy(np.ascontiguousarray(rows[k][lo:hi])) for k in PACKED_COLUMNS[:4]}
         lengths = np.concatenate([np.asarray(s, np.int64) for s in seq_lens[lo:hi]] or [np.zeros(0, np.int64)])
         return Batch(t["input_ids"], t["labels"], t["position_ids"], t["document_ids"],

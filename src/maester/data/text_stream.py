@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from maester.config import DataConfig, TokenizerConfig
+from maester.data.batch import check_batch_split, make_batch
 from maester.data.permutation import Permutation, mix64, seed_key
 from maester.data.text_files import InvalidDocument, TextSource
 
@@ -183,8 +184,6 @@ class TextLoader:
 
     def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int,
                  global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None):
-        from maester.data.loader import check_batch_split
-
         check_batch_split(global_batch, micro_batch, dp_size)
         if data.add_bos and tokenizer.bos_id is None:
             raise ValueError("data.add_bos is set but the tokenizer has no BOS token")
@@ -220,8 +219,6 @@ class TextLoader:
                                persistent_workers=True, prefetch_factor=4, worker_init_fn=ignore_stop_signals))
 
     def next_step(self) -> list:
-        from maester.data.loader import make_batch
-
         if self._batches is None:
             self._batches = self._iterator()
         rows = torch.empty(len(self.streams), self.data.seq_len + 1, dtype=torch.int64)
@@ -299,8 +296,6 @@ class TextLoader:
 
     def validation_batches(self, micro_batch: int) -> list:
         """This rank's share of every held-out document, joined and cut into windows like training."""
-        from maester.data.loader import make_batch
-
         pieces, prefix, eos = [], [self.tokenizer.bos_id] if self.data.add_bos else [], [self.tokenizer.eos_id]
         for p, (cfg, src) in enumerate(zip(self.data.sources, self.plan.sources)):
             if cfg.validation_fraction == 0:

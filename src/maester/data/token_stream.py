@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from maester.config import DataConfig, DataSourceConfig
+from maester.data.batch import check_batch_split, make_batch
 from maester.data.indexed import LLMC_MAGIC, IndexedDataset, read_llmc_shard, read_nanogpt_bin
 from maester.data.permutation import Permutation, seed_key
 
@@ -120,8 +121,6 @@ class TokenLoader:
 
     def __init__(self, cfg: DataConfig, tokenizer, *, seed: int, global_batch: int, micro_batch: int,
                  dp_rank: int = 0, dp_size: int = 1):
-        from maester.data.loader import check_batch_split
-
         check_batch_split(global_batch, micro_batch, dp_size)
         self.data, self.tokenizer, self.seed = cfg, tokenizer, seed
         self.global_batch, self.micro_batch, self.dp_rank, self.dp_size = global_batch, micro_batch, dp_rank, dp_size
@@ -174,8 +173,6 @@ class TokenLoader:
         return self._batches([t for t, _ in taken], [d for _, d in taken], self.micro_batch)
 
     def _batches(self, tokens: list, docs: list, micro_batch: int) -> list:
-        from maester.data.loader import make_batch
-
         rows = torch.from_numpy(np.stack(tokens)) if tokens else torch.zeros(0, self.data.seq_len + 1, dtype=torch.long)
         doc_ids = torch.from_numpy(np.stack(docs)) if docs and docs[0] is not None else None
         eos = self.tokenizer.eos_id

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from maester.data.packing import IGNORE_INDEX
+from maester.data.batch import IGNORE_INDEX
 
 CHUNK_ELEMENTS = 2**27
 """Logits per chunk (512 MiB in float32): large enough that the matmuls stay efficient."""

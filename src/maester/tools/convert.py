@@ -30,6 +30,7 @@ from maester.config import Config
 from maester.data.chat import read_json_object
 from maester.data.tokenizers import ByteTokenizer, build_tokenizer
 from maester.files import umask_mode
+from maester.tools.hf_dir import hf_tokenizer_settings
 from maester.models.args import TransformerArgs
 from maester.progress import stages
 from maester.models.hf import (
@@ -112,48 +113,6 @@ def choose_flavor(name: str, args: TransformerArgs) -> tuple[str, dict[str, Any]
             best = (flavor, differing)
     assert best is not None
     return best
-
-
-def hf_tokenizer_settings(tokenizer_dir: Path, hf: dict) -> dict[str, Any]:
-    """The `tokenizer` and `data` sections that make maester tokenize as the HF tokenizer files in `tokenizer_dir`
-    do: kind `hf`; BOS/EOS/pad from tokenizer_config.json, else from the ids in the model's config.json `hf`;
-    `data.add_bos` when the HF tokenizer puts BOS before a text itself; and `data.sft.template = "jinja"` when it
-    ships a chat template."""
-    from tokenizers import Tokenizer
-
-    file = tokenizer_dir / "tokenizer.json"
-    try:
-        raw = Tokenizer.from_file(str(file))
-    except Exception as e:  # the Rust parser's message names what is wrong
-        raise ValueError(f"{file}: not a tokenizer.json the tokenizers library reads: {e}") from None
-    config_file = tokenizer_dir / "tokenizer_config.json"
-    config = read_json_object(config_file) if config_file.is_file() else {}
-    model_config = {**hf.get("text_config", {}), **hf}
-    tokenizer: dict[str, Any] = {"kind": "hf", "path": str(tokenizer_dir)}
-    tokens: dict[str, str | None] = {}
-    for key in ("bos", "eos", "pad"):
-        tokens[key] = _token_text(config.get(f"{key}_token"))
-        tid = model_config.get(f"{key}_token_id")
-        tid = tid[0] if isinstance(tid, list) and tid else tid
-        if tokens[key] is None and isinstance(tid, int):
-            tokens[key] = raw.id_to_token(tid)
-            if tokens[key] is None:
-                raise ValueError(f"{tokenizer_dir / 'config.json'}: {key}_token_id {tid} is not in the vocabulary "
-                                 f"of {file}")
-            tokenizer[f"{key}_token"] = tokens[key]
-    data: dict[str, Any] = {"add_bos": _adds_bos(raw, config, tokens["bos"])}
-    if "chat_template" in config or (tokenizer_dir / "chat_template.jinja").is_file():
-        data["sft"] = {"template": "jinja"}
-    return {"tokenizer": tokenizer, "data": data}
-
-
-def _adds_bos(raw, config: dict, bos: str | None) -> bool:
-    """Whether the HF tokenizer starts every text with BOS: tokenizer_config.json's `add_bos_token`, else what its
-    post-processor does to a text."""
-    if isinstance(config.get("add_bos_token"), bool):
-        return config["add_bos_token"]
-    bos_id = raw.token_to_id(bos) if bos else None
-    return bos_id is not None and raw.encode("a").ids[:1] == [bos_id]
 
 
 def _check_tokenizer_fits(cfg: Config) -> None:
@@ -331,13 +290,6 @@ def upload_folder(directory: Path, repo_id: str) -> None:
 # ---------------------------------------------------------------- files
 
 
-def is_hf_model_dir(path: str | Path) -> bool:
-    """An HF model directory: config.json and safetensors weights (one file or an index of shards)."""
-    path = Path(path)
-    return (path / "config.json").is_file() and any(
-        (path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
-
-
 def _refuse_existing(out: Path) -> None:
     if out.exists() or out.is_symlink():
         raise ValueError(f"{out} already exists: give a new output directory (nothing is overwritten)")
@@ -372,13 +324,6 @@ def _atomic_directory(out: Path) -> Iterator[Path]:
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def _token_text(value) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken `{"content": ...}`."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
 
 
 def _dtype(name: str) -> torch.dtype:

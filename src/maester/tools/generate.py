@@ -19,7 +19,7 @@ from maester.train.checkpoint import load_model_weights, resolve_checkpoint
 def load_for_inference(target: str | Path, device: torch.device) -> tuple[nn.Module, Tokenizer, Config]:
     """Model and tokenizer from a job directory or checkpoint (with the config saved in the checkpoint), or from an
     HF model directory (config.json, safetensors and the tokenizer.json beside them)."""
-    from maester.tools.convert import is_hf_model_dir
+    from maester.tools.hf_dir import is_hf_model_dir
 
     if is_hf_model_dir(target):
         return load_hf_model_dir(Path(target), device)
@@ -41,7 +41,7 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
     the architecture from config.json (`model.hf_config`), the tokenizer and its chat template as `maester convert
     from-hf` would set them."""
     from maester.models.hf import read_hf_config, transformer_args_from_hf
-    from maester.tools.convert import hf_tokenizer_settings
+    from maester.tools.hf_dir import hf_tokenizer_settings
     from maester.train.checkpoint import load_hf_weights
 
     if not (path / "tokenizer.json").is_file():

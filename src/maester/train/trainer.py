@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from maester.config import HF_PREFIX, LOAD_MODES, Config
-from maester.data.loader import IGNORE_INDEX, build_loader
+from maester.data.batch import IGNORE_INDEX
+from maester.data.loader import build_loader
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import (
     build_on_meta,
