@@ -556,7 +556,7 @@ def _preflight(args) -> None:
     import torch.distributed as dist
 
     from maester.jobs.job_dir import config_for_target
-    from maester.jobs.preflight import PreflightFailed, parse_size, run_preflight
+    from maester.parallel.preflight import PreflightFailed, parse_size, run_preflight
     from maester.parallel.dims import init_distributed
 
     overrides = list(args.overrides)

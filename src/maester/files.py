@@ -1,6 +1,8 @@
-"""Files written under a temporary name beside their final one: created with the mode the umask gives (not
-mkstemp's 0600, which hides outputs from the other users of a shared project directory), and named by host and
-process so that a later run removes what a killed one left."""
+"""Files written under a temporary name beside their final one and renamed into place when complete
+(`AtomicOutputs`), so a run that fails leaves nothing under a final name: created with the mode the umask gives
+(not mkstemp's 0600, which hides outputs from the other users of a shared project directory), and named by host
+and process so that a later run removes what a killed one left. The ground floor of the package: it imports
+nothing of it."""
 
 from __future__ import annotations
 
@@ -79,3 +81,42 @@ def _alive(pid: int) -> bool:
         return True
     return True
 
+
+class AtomicOutputs:
+    """Use as a context manager: a clean exit renames every temporary file onto its final name, an exception
+    removes them all."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[Path, Path]] = []
+
+    def __enter__(self) -> "AtomicOutputs":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+
+    def temp_for(self, final: Path) -> Path:
+        """A new empty temporary file in `final`'s directory, to be renamed to `final` on commit."""
+        name = temp_beside(Path(final))
+        self._pairs.append((name, Path(final)))
+        return name
+
+    def commit(self) -> None:
+        try:
+            for tmp, _ in self._pairs:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            for tmp, final in self._pairs:
+                os.replace(tmp, final)
+        except BaseException:
+            self.discard()
+            raise
+        self._pairs.clear()
+
+    def discard(self) -> None:
+        for tmp, _ in self._pairs:
+            tmp.unlink(missing_ok=True)
+        self._pairs.clear()

@@ -1,6 +1,6 @@
 """The micro-batch every loader yields (`Batch`, in Hugging Face names), how windows of tokens become one
 (`make_batch`), and the check that a global batch splits over ranks and micro-batches. The bottom of `data/`: it
-imports nothing of the package."""
+imports nothing of `data/`, only the loss's IGNORE_INDEX and the models' document offsets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-IGNORE_INDEX = -100
-"""The label that takes no loss (PyTorch's cross-entropy default, and Hugging Face's)."""
+from maester.models.loss import IGNORE_INDEX  # noqa: F401 (the label that takes no loss, for data/)
 
 
 @dataclass

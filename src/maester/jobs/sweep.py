@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from maester.config import ConfigError, check_name, load_config, read_config_file
+from maester.files import AtomicOutputs
 from maester.jobs.job_dir import write_job_dir
 from maester.jobs.slurm import SubmitError, check_inputs, recorded_jobs, submit_job
 from maester.progress import progress_bar
-from maester.tools.atomic_output import AtomicOutputs
 
 SWEEP_FILE = "sweep.json"
 FAILED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",

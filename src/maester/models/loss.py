@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from maester.data.batch import IGNORE_INDEX
-
 CHUNK_ELEMENTS = 2**27
 """Logits per chunk (512 MiB in float32): large enough that the matmuls stay efficient."""
+
+IGNORE_INDEX = -100
+"""The label that takes no loss (PyTorch's cross-entropy default, and Hugging Face's)."""
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from maester.data.records import RecordReader
-from maester.tools.atomic_output import AtomicOutputs
+from maester.files import AtomicOutputs
 from maester.tools.data_report import Progress, Summary
 
 FORMATS = ("parquet", "jsonl")

@@ -25,7 +25,7 @@ from maester.config import SFTConfig, TokenizerConfig
 from maester.data.packing import (IGNORE_INDEX, OVERLONG, PackedRows, best_fit_decreasing, fit_length, pack_rows,
                                   packing_efficiency)
 from maester.data.records import InvalidRecord, RecordReader
-from maester.tools.atomic_output import AtomicOutputs
+from maester.files import AtomicOutputs
 from maester.tools.data_report import Progress, Summary
 from maester.data.sft import RecordEncoder
 from maester.data.worker_pool import chunked, map_in_order

@@ -19,7 +19,7 @@ from maester.config import TokenizerConfig
 from maester.data.indexed import IndexedDatasetWriter, best_dtype
 from maester.data.records import RecordReader
 from maester.data.tokenizers import Tokenizer, build_tokenizer
-from maester.tools.atomic_output import AtomicOutputs
+from maester.files import AtomicOutputs
 from maester.tools.data_report import Progress, Summary
 from maester.data.worker_pool import chunked, map_in_order
 

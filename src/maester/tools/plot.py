@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from maester.tools.atomic_output import AtomicOutputs
+from maester.files import AtomicOutputs
 from maester.train.metrics import read_metrics
 
 

@@ -46,7 +46,7 @@ class JobReport:
 
 def write_report(job_dir: Path, out: Path | None = None, now: float | None = None) -> JobReport:
     """Draw the dashboard to `out` (default `<job>/report.png`) and write the summary beside it (`.txt`)."""
-    from maester.tools.atomic_output import AtomicOutputs
+    from maester.files import AtomicOutputs
 
     job_dir = Path(job_dir)
     now = time.time() if now is None else now

@@ -166,7 +166,7 @@ class Trainer:
         log.info("environment: %s", describe_environment(self.device))
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
-            from maester.jobs.preflight import run_preflight
+            from maester.parallel.preflight import run_preflight
 
             run_preflight(cfg.preflight, self.job_dir, self.device, fail_fast=cfg.preflight.fail_fast)
         seed_everything(cfg.training.seed)

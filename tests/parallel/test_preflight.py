@@ -12,7 +12,7 @@ import torch
 
 from maester.cli import main
 from maester.config import ConfigError, load_config
-from maester.jobs.preflight import (DTYPES, FAULT_ENV, OPS, PreflightFailed, bus_factor, gather_input, parse_size,
+from maester.parallel.preflight import (DTYPES, FAULT_ENV, OPS, PreflightFailed, bus_factor, gather_input, parse_size,
                                     reduce_expected, reduce_input)
 from maester.train.trainer import Trainer
 from tests.helpers import DEMO_CONFIG, clean_env, tiny_overrides, torchrun
