@@ -50,8 +50,9 @@ def check_script_value(value: str | None, key: str, spaces: bool = True) -> None
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
         raise ValueError(f"{key} {value!r} holds a control character (a newline, a tab, ...): refused, as it would "
                          f"break the job script")
-    if not spaces and any(ch.isspace() or ch in "\"'`$;&|<>" for ch in value):
-        raise ValueError(f"{key} {value!r} holds a space or a shell character: an #SBATCH option takes one word")
+    if not spaces and any(ch.isspace() or ch in "\"'`$;&|<>#\\" for ch in value):
+        raise ValueError(f"{key} {value!r} holds a space, a quote, '#', a backslash or a shell character: an "
+                         f"#SBATCH option takes one plain word (sbatch reads '#' as a comment, '\\' as an escape)")
 
 
 class JobConfig(Section):
@@ -63,9 +64,9 @@ class JobConfig(Section):
     def _check_name(self) -> "JobConfig":
         check_name(self.name, "job.name")
         check_script_value(self.dump_dir, "job.dump_dir")
-        if '"' in self.dump_dir:
-            raise ValueError(f"job.dump_dir {self.dump_dir!r} holds a double quote, which the job script's "
-                             f"#SBATCH --output line cannot take")
+        if '"' in self.dump_dir or "\\" in self.dump_dir:
+            raise ValueError(f"job.dump_dir {self.dump_dir!r} holds a double quote or a backslash, which the job "
+                             f"script's #SBATCH --output line cannot take (sbatch reads a backslash as an escape)")
         return self
 
 
@@ -708,15 +709,7 @@ class SlurmConfig(Section):
 
     @model_validator(mode="after")
     def _check_lines(self) -> "SlurmConfig":
-        for line in self.extra_sbatch:
-            if line.startswith("#") or "\n" in line or not line.startswith("-"):
-                raise ValueError(f"slurm.extra_sbatch: {line!r} must be one sbatch option such as '--qos=high' "
-                                 f"(without '#SBATCH')")
-        if not all(part.isdigit() for part in self.time.replace("-", ":").split(":")):
-            raise ValueError(f"slurm.time {self.time!r} is not a SLURM time such as '02:00:00' or '1-12:00:00'")
-        for key in self.env:
-            if not key.replace("_", "a").isalnum() or key[0].isdigit():
-                raise ValueError(f"slurm.env: {key!r} is not an environment variable name")
+        # first: a control character is named as such, whatever else a value gets wrong
         for key in ("partition", "account", "qos", "mem", "time"):
             check_script_value(getattr(self, key), f"slurm.{key}", spaces=False)
         for key in ("python", "template"):
@@ -725,6 +718,20 @@ class SlurmConfig(Section):
             check_script_value(value, f"slurm.modules[{i}]")
         for name, value in self.env.items():
             check_script_value(value, f"slurm.env.{name}")
+        check_script_value(self.container.image, "slurm.container.image")
+        for key in ("binds", "options"):
+            for i, value in enumerate(getattr(self.container, key)):
+                check_script_value(value, f"slurm.container.{key}[{i}]")
+        for i, line in enumerate(self.extra_sbatch):
+            check_script_value(line, f"slurm.extra_sbatch[{i}]")
+            if line.startswith("#") or "\n" in line or not line.startswith("-"):
+                raise ValueError(f"slurm.extra_sbatch: {line!r} must be one sbatch option such as '--qos=high' "
+                                 f"(without '#SBATCH')")
+        if not all(part.isdigit() for part in self.time.replace("-", ":").split(":")):
+            raise ValueError(f"slurm.time {self.time!r} is not a SLURM time such as '02:00:00' or '1-12:00:00'")
+        for key in self.env:
+            if not key.replace("_", "a").isalnum() or key[0].isdigit():
+                raise ValueError(f"slurm.env: {key!r} is not an environment variable name")
         return self
 
 

@@ -69,6 +69,9 @@ def render_slurm_script(cfg: Config, job_dir: Path, workdir: Path | None = None)
         if '"' in str(path) or any(ord(ch) < 32 or ord(ch) == 127 for ch in str(path)):
             raise SubmitError(f"{what} {str(path)!r} holds a double quote or a control character, which a job "
                               f"script cannot hold safely: use another path")
+    if "\\" in str(job_dir):  # sbatch drops it from #SBATCH --output and then expands no %j: one log for all jobs
+        raise SubmitError(f"the job directory {str(job_dir)!r} holds a backslash, which sbatch's #SBATCH --output "
+                          f"line reads as an escape: use another path")
     s = cfg.slurm
     preset = {k: v for k, v in PRESETS.get(s.template, {}).items() if getattr(s, k) == type(s).model_fields[k].default}
     s = s.model_copy(update=preset)

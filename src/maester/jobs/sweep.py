@@ -78,6 +78,13 @@ def expand(sweep_path: Path) -> tuple[dict, list[dict]]:
         check_name(spec["name"], "name")
     except ValueError as e:
         raise ConfigError(f"{where}: {e} (it names the sweep's directory)") from None
+    if not isinstance(spec["base"], str) or not spec["base"]:
+        raise ConfigError(f"{where}: base {spec['base']!r} must be the path of the base config (a string)")
+    if "dump_dir" in spec and (not isinstance(spec["dump_dir"], str) or not spec["dump_dir"]):
+        raise ConfigError(f"{where}: dump_dir {spec['dump_dir']!r} must be a directory path (a string)")
+    for key in ("parameters", "fixed"):
+        if not isinstance(spec.get(key, {}), dict):
+            raise ConfigError(f"{where}: {key} must be a table of config keys, got {spec[key]!r}")
     mode = spec.get("mode", "product")
     if mode not in ("product", "zip"):
         raise ConfigError(f"{where}: mode {mode!r} is not 'product' or 'zip'")
