@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from maester.models.loss import IGNORE_INDEX
 from maester.train.sinks import Sink, open_sinks, scalars
 
 log = logging.getLogger("maester")
@@ -252,3 +254,69 @@ def read_metrics(path: Path) -> list[dict]:
         step = record["step"]
         by_step[step] = record if "loss" in record else {**by_step.get(step, {}), **record}
     return [by_step[s] for s in sorted(by_step)]
+
+
+BATCH_STATISTICS = ("labels", "real", "tokens", "documents", "document_tokens", "document_tokens_max")
+
+
+def batch_statistics(batches, device: torch.device) -> torch.Tensor:
+    """Counts of one step's micro-batches, as tensor ops on `device` (no host read): label tokens, tokens that are
+    not padding, all tokens, packed documents, their tokens, and the longest of them."""
+    out = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64, device=device)
+    for b in batches:
+        out[0] += (b.labels != IGNORE_INDEX).sum()
+        out[1] += (b.document_ids >= 0).sum() if b.document_ids is not None else b.input_ids.numel()
+        out[2] += b.input_ids.numel()
+        if b.document_lengths is not None and len(b.document_lengths):
+            out[3] += len(b.document_lengths)
+            out[4] += b.document_lengths.sum()
+            out[5] = torch.maximum(out[5], b.document_lengths.max())
+    return out
+
+
+class MetricsWindow:
+    """What the steps since the last logged one add up to: tokens, seconds spent waiting for data, and the batch
+    statistics (a tensor on the device, read on logging steps only)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens, self.data_seconds, self.steps = 0, 0.0, 0
+        self.start = time.perf_counter()
+        self.batches = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64, device=self.device)
+
+    def add_batches(self, stats: torch.Tensor) -> None:
+        self.batches[:-1] += stats[:-1]
+        self.batches[-1] = torch.maximum(self.batches[-1], stats[-1])
+
+    def add_step(self, tokens: int) -> None:
+        self.tokens += tokens
+        self.steps += 1
+
+    def throughput(self) -> tuple[float, float]:
+        """(seconds since the window began, tokens per second over all ranks)."""
+        elapsed = time.perf_counter() - self.start
+        return elapsed, self.tokens / elapsed
+
+    def batch_metrics(self, dp_group) -> dict:
+        """Label tokens per step, padding efficiency and document (conversation) lengths over the window, summed
+        over the data-parallel ranks (a collective when `dp_group` is set)."""
+        import torch.distributed as dist
+
+        totals = self.batches
+        if dp_group is not None:
+            maxima = totals[-1:].clone()
+            dist.all_reduce(totals, group=dp_group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=dp_group)
+            totals[-1:] = maxima
+        t = dict(zip(BATCH_STATISTICS, totals.tolist()))
+        out = {"label_tokens_per_step": t["labels"] / max(self.steps, 1),
+               "padding_efficiency": t["real"] / max(t["tokens"], 1)}
+        if t["documents"]:
+            out.update({"documents_per_step": t["documents"] / max(self.steps, 1),
+                        "document_tokens_mean": t["document_tokens"] / t["documents"],
+                        "document_tokens_max": int(t["document_tokens_max"])})
+        return out
+

@@ -46,6 +46,9 @@ from maester.train.checkpoint import (
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
 from maester.train.metrics import (
+    MetricsWindow,
+    MetricsWriter,
+    batch_statistics,
     device_peak_flops,
     model_flops_per_token,
     open_metrics,
@@ -74,22 +77,23 @@ class TrainResult:
     """Why training stopped before `training.steps` (a signal or the stop file); None: it reached the end."""
 
 
-BATCH_STATISTICS = ("labels", "real", "tokens", "documents", "document_tokens", "document_tokens_max")
+@dataclass
+class _Run:
+    """What one call of `Trainer.train` keeps between its steps."""
 
-
-def batch_statistics(batches, device: torch.device) -> torch.Tensor:
-    """Counts of one step's micro-batches, as tensor ops on `device` (no host read): label tokens, tokens that are
-    not padding, all tokens, packed documents, their tokens, and the longest of them."""
-    out = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64, device=device)
-    for b in batches:
-        out[0] += (b.labels != IGNORE_INDEX).sum()
-        out[1] += (b.document_ids >= 0).sum() if b.document_ids is not None else b.input_ids.numel()
-        out[2] += b.input_ids.numel()
-        if b.document_lengths is not None and len(b.document_lengths):
-            out[3] += len(b.document_lengths)
-            out[4] += b.document_lengths.sum()
-            out[5] = torch.maximum(out[5], b.document_lengths.max())
-    return out
+    total: int
+    writer: MetricsWriter | None  # rank 0's only
+    profiler: Profiler
+    progress: object
+    stops: StopRequests
+    window: MetricsWindow
+    long_timeout: bool  # training.init_timeout_seconds still applies (until the first step and evaluation)
+    flops_per_token: int
+    peak_flops: float | None
+    evaluated: bool = False
+    last_checkpoint: Path | None = None
+    loss_value: float | None = None
+    stop_reason: str | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -202,6 +206,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True,
                                          prefer_fused=cfg.training.nonfinite == "skip" or self.scaler is not None)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
+        self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
         # Flags for the optimizer live with the parameters: on the CPU under parallel.cpu_offload.
         param_device = next(iter(self.model.parameters())).device
@@ -291,13 +296,42 @@ class Trainer:
         self.schedule_start = state.get("schedule_start", 0) if "schedule" in parts else self.step
 
     def train(self) -> TrainResult:
-        cfg, model, optimizer = self.cfg, self.model, self.optimizer
-        total = cfg.training.steps
-        if self.step >= total:
-            log.info("already at step %d of %d: nothing to train", self.step, total)
-            if self.rank == 0:  # a run that ended between its last checkpoint and the marker
-                mark_completed(self.job_dir, self.step, self.checkpointer.latest())
-            return TrainResult(self.step, None, self.checkpointer.latest())
+        """Train to `training.steps`: each step takes its batches, sets the LR and steps the optimizer; then the
+        objects that know say whether logging, evaluation, a checkpoint or a stop is due."""
+        if self.step >= self.cfg.training.steps:
+            return self._nothing_to_train()
+        with self._run() as run:
+            while self.step < run.total:
+                batches, stats = self._next_batches(run.window)
+                self.step += 1
+                lr_mult = self._set_lr(run.total)
+                loss, grad_norm = self._optimizer_step(batches, stats, run.profiler)
+                self._finish_step(run, batches)
+                if self.step % self.cfg.logging.interval == 0 or self.step in (1, run.total):
+                    run.loss_value = self._log(run, loss, grad_norm, lr_mult)
+                self._evaluate_if_due(run)
+                if self._checkpoint_due():
+                    run.last_checkpoint = self._save_checkpoint()
+                maybe_crash("after_step", self.step)
+                if self._stopped_on_request(run):
+                    break
+            run.stops.drain()
+        if run.stop_reason is None and self.rank == 0:
+            mark_completed(self.job_dir, self.step, run.last_checkpoint or self.checkpointer.latest())
+        return TrainResult(self.step, run.loss_value, run.last_checkpoint or self.checkpointer.latest(),
+                           run.stop_reason)
+
+    def _nothing_to_train(self) -> TrainResult:
+        log.info("already at step %d of %d: nothing to train", self.step, self.cfg.training.steps)
+        if self.rank == 0:  # a run that ended between its last checkpoint and the marker
+            mark_completed(self.job_dir, self.step, self.checkpointer.latest())
+        return TrainResult(self.step, None, self.checkpointer.latest())
+
+    @contextlib.contextmanager
+    def _run(self):
+        """What one call of `train` holds between steps (`_Run`), set up before the first step and closed after the
+        last, however the loop ends."""
+        cfg, total = self.cfg, self.cfg.training.steps
         if self.rank == 0:
             clear_markers_of_earlier_runs(self.job_dir, self.step, total)
         profiler = Profiler(cfg.profiling, self.job_dir, self.rank, self.device)
@@ -306,124 +340,128 @@ class Trainer:
         writer = open_metrics(cfg, self.job_dir, progress, self.step) if self.rank == 0 else None
         for record in self.damaged_checkpoints if writer is not None else ():
             writer.write_event({"event": "checkpoint_damaged", "step": self.step, **record})
-        flops_per_token = model_flops_per_token(model, cfg.data.seq_len)
-        peak = device_peak_flops(self.device)
-        max_norm = cfg.training.max_grad_norm or math.inf
-        params = [p for p in model.parameters() if p.requires_grad]
-        dp_size = self.dims.dp_size
-        last_checkpoint, loss_value, stop_reason = None, None, None
-        window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
-        window_batches = torch.zeros(len(BATCH_STATISTICS), dtype=torch.float64, device=self.device)
-        window_steps = 0
-        model.train()
-        first_step = self.step + 1
+        run = _Run(total, writer, profiler, progress, StopRequests(self.job_dir, self.rank),
+                   MetricsWindow(self.device), long_timeout=self.world_size > 1,
+                   flops_per_token=model_flops_per_token(self.model, cfg.data.seq_len),
+                   peak_flops=device_peak_flops(self.device))
+        self.model.train()
         gc_interval = cfg.training.gc_interval
         if gc_interval:  # collected every gc_interval steps on all ranks at once, not whenever a rank's count says
             gc.disable()
             gc.collect()
-        long_timeout, evaluated = self.world_size > 1, False  # init_timeout_seconds until the first step (and eval)
-        stops = StopRequests(self.job_dir, self.rank)
-        stops.install()  # signal handlers that only set a flag, until training ends
+        run.stops.install()  # signal handlers that only set a flag, until training ends
         try:
-            while self.step < total:
-                t0 = time.perf_counter()
-                host_batches = self.loader.next_step()
-                window_data_s += time.perf_counter() - t0
-                micro_batches = [b.to(self.device) for b in host_batches]
-                stats = batch_statistics(micro_batches, self.device)
-                window_batches[:-1] += stats[:-1]
-                window_batches[-1] = torch.maximum(window_batches[-1], stats[-1])
-                self.step += 1
-                lr_mult = lr_multiplier(cfg.schedule, self.step - self.schedule_start, total - self.schedule_start)
-                for group, base in zip(optimizer.param_groups, self.base_lrs):
-                    group["lr"] = base * lr_mult
-
-                try:
-                    loss = self._forward_backward(micro_batches, stats[0])
-                    grad_norm, overflow = clip_grad_norm(params, max_norm, self.scaler)
-                    if overflow is None:
-                        if self.nonfinite.observe(self.step, loss, grad_norm):
-                            optimizer.step()
-                    else:  # fp16: an overflow is the scaler's to handle, not a non-finite step
-                        self._scaled_step(loss, grad_norm, overflow)
-                except torch.OutOfMemoryError:
-                    profiler.on_oom(self.step)
-                    raise
-                optimizer.zero_grad(set_to_none=True)
-                profiler.step(self.step)
-                if gc_interval and self.step % gc_interval == 0:
-                    gc.collect(1)
-                maybe_hang(self.step)
-                step_tokens = sum(b.num_tokens for b in micro_batches) * dp_size
-                window_tokens += step_tokens
-                window_steps += 1
-                self.tokens_seen += step_tokens
-                progress.update(1)
-
-                if self.step % cfg.logging.interval == 0 or self.step in (1, total):
-                    if self.dp_group is not None:  # each rank holds its share of the step's loss
-                        dist.all_reduce(loss, group=self.dp_group)
-                    loss_value = loss.item()  # the only host sync of the step, on logging steps only
-                    skipped = self.nonfinite.check()
-                    elapsed = time.perf_counter() - window_start
-                    tps = window_tokens / elapsed
-                    per_device = tps / self.world_size
-                    record = {
-                        "step": self.step, "loss": loss_value, "lr": cfg.optimizer.lr * lr_mult,
-                        **{f"lr/{g['name']}": g["lr"] for g in optimizer.param_groups if "name" in g},
-                        "grad_norm": grad_norm.item(), "tokens_per_second": tps,
-                        **({"grad_scale": self.scaler.scale.item()} if self.scaler is not None else {}),
-                        "mfu": per_device * flops_per_token / peak if peak else None,
-                        "data_loading_seconds": window_data_s, "data_loading_share": window_data_s / elapsed,
-                        "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
-                        **({"skipped_steps": skipped} if cfg.training.nonfinite == "skip" else {}),
-                        **self._batch_metrics(window_batches, window_steps),
-                    }
-                    for name, counts in self.loader.source_metrics().items():  # collective: every rank calls it
-                        record.update({f"data/{name}/{k}": v for k, v in counts.items()})
-                    if writer is not None:
-                        writer.write(record)
-                    window_tokens, window_data_s, window_start = 0, 0.0, time.perf_counter()
-                    window_batches, window_steps = torch.zeros_like(window_batches), 0
-
-                if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == total):
-                    validation, evaluated = self.evaluate(), True
-                    if writer is not None:
-                        writer.write_eval({"step": self.step, **validation})
-                if long_timeout and (evaluated or not cfg.logging.eval_interval):
-                    # Building, compiling and the first evaluation's recompiles are behind every rank.
-                    set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.mesh, device=self.device)
-                    long_timeout = False
-
-                if self._checkpoint_due():
-                    last_checkpoint = self._save_checkpoint()
-                maybe_crash("after_step", self.step)
-
-                # After the last step the run is complete, whatever was asked.
-                stop_reason = stops.agree() if self.step < total else None
-                if stop_reason is not None:
-                    if last_checkpoint is None or last_checkpoint.name != f"step-{self.step}":
-                        last_checkpoint = self._save_checkpoint()
-                    stops.acknowledge(self.step, stop_reason, last_checkpoint)
-                    log.info("stopped on request (%s) after step %d of %d with checkpoint %s; wrote %s",
-                             stop_reason, self.step, total, last_checkpoint, self.job_dir / REQUEUE_FILE)
-                    break
-            stops.drain()
+            yield run
         except NonFiniteError as e:
             latest = self.checkpointer.latest()
             raise NonFiniteError(f"{e}; latest checkpoint: {latest or 'none'}", e.step) from None
         finally:
             if gc_interval:
                 gc.enable()
-            stops.restore()
+            run.stops.restore()
             profiler.close()
             self.loader.close()
             progress.close()
             if writer is not None:
                 writer.close()
-        if stop_reason is None and self.rank == 0:
-            mark_completed(self.job_dir, self.step, last_checkpoint or self.checkpointer.latest())
-        return TrainResult(self.step, loss_value, last_checkpoint or self.checkpointer.latest(), stop_reason)
+
+    def _next_batches(self, window: MetricsWindow) -> tuple[list, torch.Tensor]:
+        """This rank's micro-batches of the next step, on the device, and their statistics (device tensors)."""
+        t0 = time.perf_counter()
+        host_batches = self.loader.next_step()
+        window.data_seconds += time.perf_counter() - t0
+        micro_batches = [b.to(self.device) for b in host_batches]
+        stats = batch_statistics(micro_batches, self.device)
+        window.add_batches(stats)
+        return micro_batches, stats
+
+    def _set_lr(self, total: int) -> float:
+        lr_mult = lr_multiplier(self.cfg.schedule, self.step - self.schedule_start, total - self.schedule_start)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * lr_mult
+        return lr_mult
+
+    def _optimizer_step(self, micro_batches, stats: torch.Tensor, profiler: Profiler):
+        """Forward and backward over the micro-batches, clip, and step (unless the step is non-finite or the fp16
+        scale overflowed); returns (loss, grad norm) as device tensors."""
+        max_norm = self.cfg.training.max_grad_norm or math.inf
+        try:
+            loss = self._forward_backward(micro_batches, stats[0])
+            grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler)
+            if overflow is None:
+                if self.nonfinite.observe(self.step, loss, grad_norm):
+                    self.optimizer.step()
+            else:  # fp16: an overflow is the scaler's to handle, not a non-finite step
+                self._scaled_step(loss, grad_norm, overflow)
+        except torch.OutOfMemoryError:
+            profiler.on_oom(self.step)
+            raise
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+
+    def _finish_step(self, run: _Run, micro_batches) -> None:
+        """The profiler's and the garbage collector's turn, a fault point, and the step's tokens counted."""
+        run.profiler.step(self.step)
+        gc_interval = self.cfg.training.gc_interval
+        if gc_interval and self.step % gc_interval == 0:
+            gc.collect(1)
+        maybe_hang(self.step)
+        step_tokens = sum(b.num_tokens for b in micro_batches) * self.dims.dp_size
+        run.window.add_step(step_tokens)
+        self.tokens_seen += step_tokens
+        run.progress.update(1)
+
+    def _log(self, run: _Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr_mult: float) -> float:
+        """The metrics record of the window that ends at this step (collectives: every rank calls it); written by
+        rank 0. Returns the step's loss, the only host read of the step."""
+        if self.dp_group is not None:  # each rank holds its share of the step's loss
+            dist.all_reduce(loss, group=self.dp_group)
+        loss_value = loss.item()
+        skipped = self.nonfinite.check()
+        window = run.window
+        elapsed, tps = window.throughput()
+        record = {
+            "step": self.step, "loss": loss_value, "lr": self.cfg.optimizer.lr * lr_mult,
+            **{f"lr/{g['name']}": g["lr"] for g in self.optimizer.param_groups if "name" in g},
+            "grad_norm": grad_norm.item(), "tokens_per_second": tps,
+            **({"grad_scale": self.scaler.scale.item()} if self.scaler is not None else {}),
+            "mfu": tps / self.world_size * run.flops_per_token / run.peak_flops if run.peak_flops else None,
+            "data_loading_seconds": window.data_seconds, "data_loading_share": window.data_seconds / elapsed,
+            "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
+            **({"skipped_steps": skipped} if self.cfg.training.nonfinite == "skip" else {}),
+            **window.batch_metrics(self.dp_group),
+        }
+        for name, counts in self.loader.source_metrics().items():  # collective: every rank calls it
+            record.update({f"data/{name}/{k}": v for k, v in counts.items()})
+        if run.writer is not None:
+            run.writer.write(record)
+        window.reset()
+        return loss_value
+
+    def _evaluate_if_due(self, run: _Run) -> None:
+        """Evaluate every `logging.eval_interval` steps and at the end; after the first step (and evaluation),
+        shorten the collective timeout: building, compiling and the first evaluation's recompiles are behind."""
+        cfg = self.cfg
+        if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == run.total):
+            validation, run.evaluated = self.evaluate(), True
+            if run.writer is not None:
+                run.writer.write_eval({"step": self.step, **validation})
+        if run.long_timeout and (run.evaluated or not cfg.logging.eval_interval):
+            set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.mesh, device=self.device)
+            run.long_timeout = False
+
+    def _stopped_on_request(self, run: _Run) -> bool:
+        """Whether the ranks agree to stop here (a signal or the stop file); if so, with a checkpoint of this step
+        and the requeue marker. After the last step the run is complete, whatever was asked."""
+        run.stop_reason = run.stops.agree() if self.step < run.total else None
+        if run.stop_reason is None:
+            return False
+        if run.last_checkpoint is None or run.last_checkpoint.name != f"step-{self.step}":
+            run.last_checkpoint = self._save_checkpoint()
+        run.stops.acknowledge(self.step, run.stop_reason, run.last_checkpoint)
+        log.info("stopped on request (%s) after step %d of %d with checkpoint %s; wrote %s", run.stop_reason,
+                 self.step, run.total, run.last_checkpoint, self.job_dir / REQUEUE_FILE)
+        return True
 
     def _save_checkpoint(self) -> Path:
         self.nonfinite.check()  # a run that went non-finite under `stop` raises here, before the damage is saved
@@ -434,23 +472,6 @@ class Trainer:
              **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, self.cfg.to_json())
         log.info("saved checkpoint %s", path)
         return path
-
-    def _batch_metrics(self, totals: torch.Tensor, steps: int) -> dict:
-        """Label tokens per step, padding efficiency and document (conversation) lengths over the logging window,
-        summed over the data-parallel ranks (collective)."""
-        if self.dp_group is not None:
-            maxima = totals[-1:].clone()
-            dist.all_reduce(totals, group=self.dp_group)
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_group)
-            totals[-1:] = maxima
-        t = dict(zip(BATCH_STATISTICS, totals.tolist()))
-        out = {"label_tokens_per_step": t["labels"] / max(steps, 1),
-               "padding_efficiency": t["real"] / max(t["tokens"], 1)}
-        if t["documents"]:
-            out.update({"documents_per_step": t["documents"] / max(steps, 1),
-                        "document_tokens_mean": t["document_tokens"] / t["documents"],
-                        "document_tokens_max": int(t["document_tokens_max"])})
-        return out
 
     def _forward_backward(self, micro_batches, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step
