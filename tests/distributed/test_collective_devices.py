@@ -57,7 +57,7 @@ def test_pretraining_collectives_reach_a_backend_for_their_device(tmp_path):
         "a group lost the device map"
     callers = {r["caller"] for r in records}
     # the logging step's statistics, the loss normalisation, the stop agreement and the checkpoint all took part
-    assert {"trainer.py:_batch_metrics", "trainer.py:_forward_backward", "preemption.py:agree"} <= callers, callers
+    assert {"metrics.py:batch_metrics", "trainer.py:_forward_backward", "preemption.py:agree"} <= callers, callers
     assert any(c.startswith("checkpoint.py") for c in callers), callers
 
 
