@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import multiprocessing
 import signal
-import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 
 _worker: Callable | None = None
 
@@ -22,12 +23,14 @@ def ignore_stop_signals(_worker_id: int | None = None) -> None:
 
 
 def _start(factory: Callable, args: tuple) -> None:
-    """A pool worker ignores Ctrl-C (the main process reports it once and ends the pool with SIGTERM). It starts
-    with SIGINT blocked (see `map_in_order`), so a Ctrl-C while it starts up cannot break its imports."""
+    """A pool worker ignores SIGINT and SIGTERM: the main process reports a Ctrl-C or a SIGTERM once and shuts the
+    pool down, and a worker is never killed while it may hold a lock of the pool's queues. It starts with SIGINT
+    blocked (see `map_in_order`), so a Ctrl-C while it starts up cannot break its imports."""
     import signal
 
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _worker = factory(*args)
 
@@ -45,42 +48,39 @@ def chunked(items: Iterable, size: int) -> Iterator[list]:
 
 def map_in_order(factory: Callable, args: tuple, chunks: Iterable, workers: int) -> Iterator:
     """`factory(*args)(chunk)` for each chunk, in input order. With workers > 1, each worker process builds its own
-    `factory(*args)` once and at most 2 * workers chunks are read ahead (Pool.imap alone would read the whole
-    input into memory)."""
+    `factory(*args)` once and at most 2 * workers chunks are in flight.
+
+    On an exception here (Ctrl-C, or SIGTERM turned into one) the pool is shut down, not terminated: the chunks
+    being encoded finish, the rest are cancelled, and the workers exit. `multiprocessing.Pool.terminate` kills
+    workers, and one killed while it holds the result queue's lock hangs the pool's own shutdown for ever."""
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     if workers == 1:
         yield from map(factory(*args), chunks)
         return
-    window = threading.Semaphore(2 * workers)
-    stop = threading.Event()
-
-    def read_ahead() -> Iterator:  # runs in the pool's task thread
-        for chunk in chunks:
-            while not window.acquire(timeout=0.1):
-                if stop.is_set():
-                    return
-            yield chunk
-
     if "forkserver" in multiprocessing.get_all_start_methods():  # no fork of a process that may hold threads
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload([__name__, factory.__module__])  # imported once, not per worker
     else:
         context = multiprocessing.get_context("spawn")
-    # The workers (and the forkserver) inherit a blocked SIGINT, until _start ignores it; here a Ctrl-C waits
-    # until the pool is up, then interrupts as usual.
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start, initargs=(factory, args))
+    in_flight: collections.deque = collections.deque()
+    try:
+        for chunk in chunks:
+            in_flight.append(_submit(pool, chunk))
+            if len(in_flight) >= 2 * workers:
+                yield in_flight.popleft().result()
+        while in_flight:
+            yield in_flight.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _submit(pool: ProcessPoolExecutor, chunk) -> Future:
+    """Workers (and the forkserver) start inside `submit`: they inherit a blocked SIGINT until `_start` ignores it,
+    and a Ctrl-C here waits the few microseconds until `submit` returns, then interrupts as usual."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        pool = context.Pool(workers, initializer=_start, initargs=(factory, args))
+        return pool.submit(_run, chunk)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        for result in pool.imap(_run, read_ahead()):
-            window.release()
-            yield result
-        pool.close()
-        pool.join()
-    finally:
-        stop.set()
-        pool.terminate()
-        pool.join()

@@ -7,7 +7,7 @@ conversation is never split. Rows come out in the seeded order of `best_fit_decr
 `part-00000.parquet`, ... of at most `rows_per_file` rows, one row group per `_ROWS_PER_GROUP` rows. All encoded
 conversations are held in memory until packing (about 8 bytes per token).
 
-With several workers, chunks of records are encoded in worker processes through `Pool.imap`, which hands results
+With several workers, chunks of records are encoded in worker processes through `map_in_order`, which hands results
 back in input order, so the output is the same for any number of workers.
 """
 

@@ -1,7 +1,7 @@
 """`maester data tokenize` and `maester data count`: documents to token ids, chunk by chunk, over a process pool.
 
 Documents are cut into chunks of `chunk_size` in input order; each chunk is encoded with one `encode_batch` call.
-With several workers the chunks go through `Pool.imap`, which gives results back in input order, so the output
+With several workers the chunks go through `map_in_order`, which gives results back in input order, so the output
 is byte-identical for any number of workers. Each worker builds its own tokenizer from the `TokenizerConfig`.
 """
 
