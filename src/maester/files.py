@@ -7,6 +7,7 @@ nothing of it."""
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import re
@@ -120,3 +121,14 @@ class AtomicOutputs:
         for tmp, _ in self._pairs:
             tmp.unlink(missing_ok=True)
         self._pairs.clear()
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; errors name the file."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data

@@ -34,7 +34,9 @@ import numpy as np
 from maester.config import SFTConfig
 from maester.data.batch import IGNORE_INDEX
 from maester.data.records import INVALID_MESSAGES, InvalidRecord, messages_of, text_of
-from maester.data.tokenizers import ByteTokenizer, ControlTokens, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer
+from maester.data.tokenizers import (ByteTokenizer, ControlTokens, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer,
+                                     token_content)
+from maester.files import read_json_object
 
 __all__ = ["IGNORE_INDEX", "ChatEncoder", "ChatTemplateError", "Encoded"]
 
@@ -336,7 +338,7 @@ class ChatEncoder:
         for name, tid in (("bos_token", self.tokenizer.bos_id), ("eos_token", self.tokenizer.eos_id)):
             if name not in source:
                 continue
-            text = _token_content(config.get(name))
+            text = token_content(config.get(name))
             if text is None and tid is not None:
                 text = self._special_text(tid)
             if text is None:
@@ -512,13 +514,6 @@ def _divergence(shorter: str, longer: str) -> str:
     return f"at character {k}: {shorter[k:k + 40]!r} vs {longer[k:k + 40]!r}"
 
 
-def _token_content(value) -> str | None:
-    """A special token as `tokenizer_config.json` writes it: a string or an AddedToken `{"content": ...}`."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
-
-
 def _load_chat_template(chat_template_path: str | None, tokenizer_path: str | None) -> tuple[str, Path, dict]:
     """(template source, the file it came from, the tokenizer_config.json beside it or {})."""
     if chat_template_path:
@@ -551,17 +546,6 @@ def _load_chat_template(chat_template_path: str | None, tokenizer_path: str | No
     if not isinstance(template, str):
         raise ValueError(f"{file}: chat_template is a {type(template).__name__}, not a template string")
     return template, file, config
-
-
-def read_json_object(path: Path) -> dict:
-    """A JSON file that must hold an object; errors name the file."""
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a JSON {type(data).__name__}, not an object")
-    return data
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -376,3 +376,10 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     if cfg.control_tokens:
         tok = ControlTokens(tok, cfg.control_tokens)
     return tok
+
+
+def token_content(value) -> str | None:
+    """A special token as `tokenizer_config.json` writes it: a string or an AddedToken `{"content": ...}`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from maester.config import Config
-from maester.data.chat import read_json_object
+from maester.files import read_json_object
 from maester.data.tokenizers import ByteTokenizer, build_tokenizer
 from maester.files import umask_mode
 from maester.tools.hf_dir import hf_tokenizer_settings

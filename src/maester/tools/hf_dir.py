@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from maester.data.chat import read_json_object
+from maester.data.tokenizers import token_content
+from maester.files import read_json_object
 
 
 def is_hf_model_dir(path: str | Path) -> bool:
@@ -35,7 +36,7 @@ def hf_tokenizer_settings(tokenizer_dir: Path, hf: dict) -> dict[str, Any]:
     tokenizer: dict[str, Any] = {"kind": "hf", "path": str(tokenizer_dir)}
     tokens: dict[str, str | None] = {}
     for key in ("bos", "eos", "pad"):
-        tokens[key] = _token_text(config.get(f"{key}_token"))
+        tokens[key] = token_content(config.get(f"{key}_token"))
         tid = model_config.get(f"{key}_token_id")
         tid = tid[0] if isinstance(tid, list) and tid else tid
         if tokens[key] is None and isinstance(tid, int):
@@ -57,10 +58,3 @@ def _adds_bos(raw, config: dict, bos: str | None) -> bool:
         return config["add_bos_token"]
     bos_id = raw.token_to_id(bos) if bos else None
     return bos_id is not None and raw.encode("a").ids[:1] == [bos_id]
-
-
-def _token_text(value) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken `{"content": ...}`."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
