@@ -18,9 +18,10 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 
 # Bottom to top: a module may import its own layer and the ones below it.
 LAYERS = [
-    ("maester.files", "maester.progress"),  # the ground floor: files, progress bars
-    ("maester.models",),  # the single-device model, its loss, HF name maps
-    ("maester.config",),  # the config tree (it resolves model architectures)
+    ("maester.files", "maester.progress", "maester.config_base"),  # the ground floor: files, progress bars, the
+    # config sections' base class and error messages
+    ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
+    ("maester.config", "maester.config_job", "maester.config_sources"),  # the config tree, its sources
     ("maester.data", "maester.parallel"),  # loaders; device meshes, sharding, precision, preflight
     ("maester.train",),  # the trainer, checkpoints, optimizers, metrics
     ("maester.jobs",),  # job directories, SLURM scripts, sweeps

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from maester.config import Config, ConfigError, load_config, parse_cli_overrides, parse_value
+from maester.config import Config, ConfigError, load_config
+from maester.config_sources import parse_cli_overrides, parse_value
 
 DEMO = Path(__file__).parents[1] / "configs" / "demo.toml"
 DEMO_FILE = tomllib.loads(DEMO.read_text())  # what the file says, independent of the loader under test

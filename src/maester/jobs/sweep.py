@@ -28,7 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from maester.config import ConfigError, check_name, load_config, read_config_file
+from maester.config import ConfigError, load_config
+from maester.config_job import check_name
+from maester.config_sources import read_config_file
 from maester.files import AtomicOutputs
 from maester.jobs.job_dir import write_job_dir
 from maester.jobs.slurm import SubmitError, check_inputs, recorded_jobs, submit_job

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
+from maester.models.config import ModelConfig, MupConfig
 from maester.models.registry import ARCHITECTURES
-
-if TYPE_CHECKING:  # the config sections these take: the config layer sits above the models
-    from maester.config import ModelConfig, MupConfig
 
 
 def resolve_args(cfg: ModelConfig, tokenizer_vocab: int, mup: MupConfig | None = None) -> BaseModel:

@@ -1,0 +1,132 @@
+"""The job's sections of the config tree: its name and directory (`job`), and how it is submitted to SLURM
+(`slurm`, with its `container`). Every value that ends up in the job script is checked here, at load time."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from maester.config_base import Section
+
+
+NAME_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def check_name(value, key: str) -> None:
+    """A job or sweep name: one path component of letters, digits, '-', '_' and '.' (it becomes a directory and
+    goes into the job script)."""
+    if not isinstance(value, str) or not value or set(value) - NAME_CHARACTERS or value.startswith("."):
+        raise ValueError(f"{key} {value!r} may only contain letters, digits, '-', '_' and '.'")
+
+
+def check_script_value(value: str | None, key: str, spaces: bool = True) -> None:
+    """A value the job script holds: no control character (a newline would start a shell line of its own, and
+    sbatch ignores the #SBATCH lines after it); no space or quote where an #SBATCH option takes it bare."""
+    if value is None:
+        return
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise ValueError(f"{key} {value!r} holds a control character (a newline, a tab, ...): refused, as it would "
+                         f"break the job script")
+    if not spaces and any(ch.isspace() or ch in "\"'`$;&|<>#\\" for ch in value):
+        raise ValueError(f"{key} {value!r} holds a space, a quote, '#', a backslash or a shell character: an "
+                         f"#SBATCH option takes one plain word (sbatch reads '#' as a comment, '\\' as an escape)")
+
+
+class JobConfig(Section):
+    name: str = "demo"
+    """Job name: the job directory is `<dump_dir>/<name>`."""
+    dump_dir: str = "jobs"
+
+    @model_validator(mode="after")
+    def _check_name(self) -> "JobConfig":
+        check_name(self.name, "job.name")
+        check_script_value(self.dump_dir, "job.dump_dir")
+        if '"' in self.dump_dir or "\\" in self.dump_dir:
+            raise ValueError(f"job.dump_dir {self.dump_dir!r} holds a double quote or a backslash, which the job "
+                             f"script's #SBATCH --output line cannot take (sbatch reads a backslash as an escape)")
+        return self
+
+
+class ContainerConfig(Section):
+    runtime: Literal["none", "singularity", "apptainer"] = "none"
+    """Run each node's launcher inside a container image (`singularity exec` / `apptainer exec`), or directly."""
+    image: str | None = None
+    """The image (`.sif`) for a container runtime."""
+    binds: list[str] = Field(default_factory=list)
+    """`--bind` mounts, e.g. `["/scratch", "/project/data:/data"]`; the working and job directories are added."""
+    options: list[str] = Field(default_factory=list)
+    """More `exec` options, e.g. `["--rocm"]` (AMD) or `["--nv"]` (NVIDIA)."""
+
+    @model_validator(mode="after")
+    def _check_image(self) -> "ContainerConfig":
+        if self.runtime != "none" and not self.image:
+            raise ValueError(f"slurm.container.image is required when slurm.container.runtime = {self.runtime!r}")
+        return self
+
+
+class SlurmConfig(Section):
+    """How `maester submit` renders `jobs/<name>/slurm.sh` and submits it."""
+
+    template: str = "default"
+    """`default`, `lumi` (LUMI-G: 8 GCDs per node, ROCm, Singularity), or the path of your own Jinja2 template."""
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs (GCDs) per node requested with `--gpus-per-node`; 0: none (a CPU job)."""
+    nproc_per_node: int | None = Field(None, ge=1)
+    """Training processes per node; None: `gpus_per_node`, or 1 without GPUs."""
+    cpus_per_task: int | None = Field(None, ge=1)
+    """CPUs of each node's task (the torchrun launcher and all its workers); None: 8 per GPU with GPUs (many
+    clusters give a task one core by default), else the cluster's default. Passed on to srun."""
+    mem: str | None = None
+    """`--mem` per node, e.g. `"480G"`; None: the cluster's default."""
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "01:00:00"
+    """Walltime (`--time`); a longer run needs `--chain K` or requeues itself when warned of the limit."""
+    exclusive: bool = False
+    signal_seconds: int = Field(300, ge=0)
+    """Ask SLURM for a warning this many seconds before the time limit (`--signal=B:USR1@N`): the trainer then
+    checkpoints and the job requeues itself. 0: no warning."""
+    requeue: bool = True
+    """Requeue the job (`scontrol requeue`) after a checkpoint forced by the warning or a preemption."""
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """More `#SBATCH` lines, without the prefix, e.g. `["--mail-type=END", "--constraint=a100"]`."""
+    modules: list[str] = Field(default_factory=list)
+    """`module load` these before the run."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment exported in the script, e.g. `{NCCL_DEBUG = "WARN"}`."""
+    pre_run: list[str] = Field(default_factory=list)
+    """Shell commands run before training (after modules and env), e.g. activating an environment."""
+    python: str | None = None
+    """The Python that runs maester on the nodes; None: the one that runs `maester submit` (a shared
+    filesystem), or `python3` inside a container."""
+    container: ContainerConfig = Field(default_factory=ContainerConfig)
+
+    @model_validator(mode="after")
+    def _check_lines(self) -> "SlurmConfig":
+        # first: a control character is named as such, whatever else a value gets wrong
+        for key in ("partition", "account", "qos", "mem", "time"):
+            check_script_value(getattr(self, key), f"slurm.{key}", spaces=False)
+        for key in ("python", "template"):
+            check_script_value(getattr(self, key), f"slurm.{key}")
+        for i, value in enumerate(self.modules):
+            check_script_value(value, f"slurm.modules[{i}]")
+        for name, value in self.env.items():
+            check_script_value(value, f"slurm.env.{name}")
+        check_script_value(self.container.image, "slurm.container.image")
+        for key in ("binds", "options"):
+            for i, value in enumerate(getattr(self.container, key)):
+                check_script_value(value, f"slurm.container.{key}[{i}]")
+        for i, line in enumerate(self.extra_sbatch):
+            check_script_value(line, f"slurm.extra_sbatch[{i}]")
+            if line.startswith("#") or "\n" in line or not line.startswith("-"):
+                raise ValueError(f"slurm.extra_sbatch: {line!r} must be one sbatch option such as '--qos=high' "
+                                 f"(without '#SBATCH')")
+        if not all(part.isdigit() for part in self.time.replace("-", ":").split(":")):
+            raise ValueError(f"slurm.time {self.time!r} is not a SLURM time such as '02:00:00' or '1-12:00:00'")
+        for key in self.env:
+            if not key.replace("_", "a").isalnum() or key[0].isdigit():
+                raise ValueError(f"slurm.env: {key!r} is not an environment variable name")
+        return self
