@@ -94,6 +94,7 @@ def _parallelize(model: nn.Module, layout: str, world: int) -> None:
 
 def _check_against_reference(layout: str, world: int) -> None:
     import maester.train.muon as muon
+    from tests.train.muon_reference import reference_muon_step
 
     shapes = UNEVEN if layout == "fsdp-uneven" else EVEN
     calls = {"n": 0}
@@ -126,8 +127,8 @@ def _check_against_reference(layout: str, world: int) -> None:
             assert most.item() < total.item(), (layout, most.item())
             for name, (rows, _) in shapes.items():
                 w = getattr(reference, name).weight.data
-                muon.reference_muon_step(w, _grad(f"{name}.weight", w.shape, step), ref_states[name], lr=LR,
-                                         coefficients=coefficients, split=rows, **kwargs)
+                reference_muon_step(w, _grad(f"{name}.weight", w.shape, step), ref_states[name], lr=LR,
+                                    coefficients=coefficients, split=rows, **kwargs)
             reference.norm.grad = _grad("norm", (8,), step)
             ref_adamw.step()
             expected = dict(reference.named_parameters())
