@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
 def mix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser: a fast, well-spread hash of uint64 values."""
     x = np.asarray(x, dtype=np.uint64)

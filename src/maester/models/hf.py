@@ -265,8 +265,6 @@ def check_convertible(name: str, args: TransformerArgs) -> None:
 
 # ---------------------------------------------------------------- parameter names
 
-_PREFIX = {"gpt_neox": "gpt_neox."}
-
 
 def _norm_pairs(name: str) -> list[tuple[str, str]]:
     if name == "gemma3":

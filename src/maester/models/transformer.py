@@ -190,9 +190,6 @@ def canonical_parameter_name(name: str) -> str:
     return name
 
 
-PARAMETER_ROLES = ("embedding", "readout", "hidden", "vector")
-
-
 def parameter_roles(model: nn.Module) -> dict[str, str]:
     """Canonical parameter name (`canonical_parameter_name`) -> role, for μP learning rates and Muon's choice of
     matrices: `embedding` (the token embeddings, also the head when tied), `readout` (an untied output layer),
