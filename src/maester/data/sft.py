@@ -21,7 +21,7 @@ import torch
 
 from maester.config import DataConfig, DataSourceConfig, SFTConfig, TokenizerConfig
 from maester.data.batch import IGNORE_INDEX, Batch, check_batch_split
-from maester.data.permutation import Permutation, mix64, seed_key
+from maester.data.permutation import Permutation, mix64, mix_key, seed_key
 
 log = logging.getLogger("maester")
 
@@ -78,7 +78,7 @@ def _held_out(name: str, n: int, fraction: float) -> np.ndarray:
     """A fixed validation split: item i of source `name` is held out when its hash falls below the fraction."""
     if fraction == 0 or n == 0:
         return np.zeros(n, dtype=bool)
-    key = np.uint64(seed_key(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")))
+    key = np.uint64(mix_key(int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")))
     return mix64(np.arange(n, dtype=np.uint64) ^ key) < np.uint64(int(fraction * 2.0 ** 64))
 
 
@@ -251,18 +251,19 @@ class SFTLoader:
             return self._plan
         examples, owners, packed = [], [], []
         for p, src in enumerate(self.sources):
-            chosen = weighted_indices(src.units, src.cfg.weight, seed_key(self.seed, p, epoch, 7))
+            chosen = weighted_indices(src.units, src.cfg.weight, seed_key(self.seed, "sft choice", p, epoch))
             if src.packed is not None:
                 packed += [(p, int(i)) for i in chosen]
             else:
                 examples += [src.train[i] for i in chosen]
                 owners += [p] * len(chosen)
         lengths = np.array([len(t) for t, _ in examples], np.int64)
-        bins = best_fit_decreasing(lengths, self.data.seq_len, seed_key(self.seed, epoch)) if len(lengths) else []
+        key = seed_key(self.seed, "sft packing", epoch)
+        bins = best_fit_decreasing(lengths, self.data.seq_len, key) if len(lengths) else []
         total = len(bins) + len(packed)
         if total == 0:
             raise ValueError("the SFT sources hold nothing to train on after weighting")
-        order = Permutation(total, seed_key(self.seed, epoch, 3))[np.arange(total)]
+        order = Permutation(total, seed_key(self.seed, "sft order", epoch))[np.arange(total)]
         self._plan, self._plan_epoch = EpochPlan(bins, examples, packed, order), epoch
         self._owners = np.array(owners, np.int64)
         return self._plan
@@ -377,7 +378,8 @@ class SFTLoader:
         parts = []
         if examples:
             lengths = np.array([len(t) for t, _ in examples], np.int64)
-            rows = pack_rows(examples, best_fit_decreasing(lengths, seq, seed_key(self.seed, 11)), seq, self.pad_id)
+            bins = best_fit_decreasing(lengths, seq, seed_key(self.seed, "sft validation packing"))
+            rows = pack_rows(examples, bins, seq, self.pad_id)
             parts.append({k: getattr(rows, k) for k in PACKED_COLUMNS[:4]} | {"seq_lens": list(rows.seq_lens)})
         for src in self.sources:
             if src.packed_validation is not None and len(src.packed_validation["input_ids"]):

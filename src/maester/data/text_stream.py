@@ -52,8 +52,8 @@ class StreamPlan:
         """Source p's chunk at a position of its endless sequence, and the order its training rows are read in."""
         n = len(self.sources[p].chunks)
         epoch, i = divmod(position, n)
-        chunk = self.sources[p].chunks[Permutation(n, seed_key(self.seed, p, epoch))[i]]
-        order = Permutation(chunk.rows, seed_key(self.seed, p, position, 1))[np.arange(chunk.rows)]
+        chunk = self.sources[p].chunks[Permutation(n, seed_key(self.seed, "source order", p, epoch))[i]]
+        order = Permutation(chunk.rows, seed_key(self.seed, "chunk rows", p, position))[np.arange(chunk.rows)]
         return chunk, order[~self.holdout(p, chunk)[order]]
 
     def fingerprint(self) -> str:

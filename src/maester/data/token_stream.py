@@ -151,7 +151,8 @@ class TokenLoader:
             where = ks // n == epoch
             cached = self._perms.get(p)
             if cached is None or cached[0] != epoch:
-                cached = self._perms[p] = (int(epoch), Permutation(n, seed_key(self.seed, p, int(epoch))))
+                key = seed_key(self.seed, "source order", p, int(epoch))
+                cached = self._perms[p] = (int(epoch), Permutation(n, key))
             out[where] = cached[1][ks[where] % n]
         return out
 
