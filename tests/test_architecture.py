@@ -18,8 +18,8 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 
 # Bottom to top: a module may import its own layer and the ones below it.
 LAYERS = [
-    ("maester.files", "maester.progress", "maester.config_base"),  # the ground floor: files, progress bars, the
-    # config sections' base class and error messages
+    # the ground floor: files, progress bars, the config sections' base class and error messages, exit codes
+    ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes"),
     ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
     ("maester.config", "maester.config_job", "maester.config_sources"),  # the config tree, its sources
     ("maester.data", "maester.parallel"),  # loaders; device meshes, sharding, precision, preflight

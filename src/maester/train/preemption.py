@@ -35,6 +35,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from maester import exit_codes
+
 if TYPE_CHECKING:
     import torch
 
@@ -43,7 +45,7 @@ log = logging.getLogger("maester")
 STOP_FILE = "stop-requested"
 REQUEUE_FILE = "requeue-requested"
 COMPLETED_FILE = "COMPLETED"
-REQUEUE_EXIT_CODE = 3
+REQUEUE_EXIT_CODE = exit_codes.REQUEUE
 """The exit code of every training process that stopped on a request after saving a checkpoint."""
 
 # The reasons for a stop, by code; ranks agree on the highest code any of them saw (0: no request).

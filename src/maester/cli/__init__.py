@@ -1,0 +1,98 @@
+"""The `maester` command: a table of subcommands, each an (add, run) pair, and the mapping of failures to exit
+codes (`maester.exit_codes`). Subcommands parse their arguments, then import what they need (torch only there)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+from maester import exit_codes
+from maester.cli import data, tools, training
+
+
+class Command(NamedTuple):
+    add: Callable[[argparse._SubParsersAction, str], None]
+    """Adds the command's parser under its name."""
+    run: Callable[[argparse.Namespace], None]
+    overrides: bool = False
+    """Takes config overrides (`--section.key=value`) after its own arguments."""
+
+
+COMMANDS = {
+    "train": Command(training.add_train, training.run_train, overrides=True),
+    "seed-checkpoint": Command(training.add_seed_checkpoint, training.run_seed_checkpoint, overrides=True),
+    "submit": Command(training.add_submit, training.run_submit, overrides=True),
+    "sweep": Command(training.add_sweep, training.run_sweep, overrides=True),
+    "mup": Command(training.add_mup, training.run_mup, overrides=True),
+    "launch": Command(training.add_launch, training.run_launch),
+    "config": Command(training.add_config, training.run_config, overrides=True),
+    "generate": Command(tools.add_generate, tools.run_generate),
+    "convert": Command(tools.add_convert, tools.run_convert),
+    "checkpoint": Command(tools.add_checkpoint, tools.run_checkpoint),
+    "plot": Command(tools.add_plot, tools.run_plot),
+    "report": Command(tools.add_report, tools.run_report),
+    "preflight": Command(training.add_preflight, training.run_preflight, overrides=True),
+    "data": Command(data.add_data, data.run_data),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="maester", description="Train large language models with PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        command.add(sub, name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not COMMANDS[args.command].overrides:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
+    from maester.config_base import ConfigError
+
+    try:
+        COMMANDS[args.command].run(args)
+    except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError,
+            ValueError) as e:
+        print(f"maester {args.command}: error: {e}", file=sys.stderr)
+        sys.exit(exit_codes.BAD_INPUT)
+    except KeyboardInterrupt:
+        print(f"maester {args.command}: interrupted", file=sys.stderr)
+        sys.exit(exit_codes.INTERRUPTED)
+    except Exception as e:
+        code, advice = _training_failure(e)
+        if code is None:
+            raise
+        print(f"maester {args.command}: error: {e}\n{advice}", file=sys.stderr)
+        sys.exit(code)
+
+
+GLOO_COLLECTIVE_FAILURES = ("gloo/transport", "Connection closed by peer", "Connection reset by peer")
+
+
+def _training_failure(e: Exception) -> tuple[int | None, str]:
+    """The exit code and advice for a failure a run's settings can cause; (None, "") for anything else (a bug:
+    its traceback is shown)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None, ""
+    from maester.train.nonfinite import NonFiniteError
+
+    if isinstance(e, NonFiniteError):
+        return exit_codes.NONFINITE, ("lower optimizer.lr, raise schedule.warmup_steps or set training.max_grad_norm, "
+                                "then resume from the latest checkpoint; training.detect_anomaly = true names the "
+                                "op that made the first NaN, and training.nonfinite = 'skip' steps over rare ones")
+    if isinstance(e, torch.OutOfMemoryError):
+        return exit_codes.OUT_OF_MEMORY, ("out of device memory: lower training.micro_batch_size, set "
+                                    "parallel.activation_checkpointing, or shard more (parallel.dp_shard); "
+                                    "profiling.memory_snapshot = true records where the memory went")
+    if isinstance(e, torch.distributed.DistError) or (  # gloo raises plain RuntimeErrors
+            isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_COLLECTIVE_FAILURES)):
+        return exit_codes.COLLECTIVE, ("a collective failed or timed out: another rank died or hung (its log says why; "
+                                 "logging.per_rank_files = true keeps one per rank), or the network failed; "
+                                 "training.train_timeout_seconds bounds the wait")
+    return None, ""
