@@ -16,7 +16,7 @@ import time
 import torch
 
 from maester.config import ModelConfig
-from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.build import build_model
 from maester.tools.generate import sample
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     print("| model | new tokens | no cache (tok/s) | KV cache (tok/s) | speedup |")
     print("|---|---:|---:|---:|---:|")
     for label, cfg in models.items():
-        model = materialize(build_on_meta(cfg, resolve_args(cfg, 269)), torch.device("cpu"), seed=0).eval()
+        model = build_model(cfg, 269, torch.device("cpu"), 0).eval()
         prompt = torch.randint(0, 269, (64,), generator=torch.Generator().manual_seed(0)).tolist()
         baseline, t_base = timed(lambda: sample_without_cache(model, prompt, new))
         cached, t_cache = timed(lambda: sample(model, prompt, new))

@@ -17,7 +17,7 @@ import time
 import torch
 
 from maester.config import ModelConfig, OptimizerConfig
-from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.build import build_model
 from maester.train.optim import build_optimizer
 
 CASES = {
@@ -58,7 +58,7 @@ def main() -> None:
     flavor, steps, warmup = ("tiny", 2, 1) if args.smoke else (args.flavor, args.steps, 3)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = ModelConfig(flavor=flavor)
-    model = materialize(build_on_meta(cfg, resolve_args(cfg, 32000)), device, 0)
+    model = build_model(cfg, 32000, device, 0)
     n = sum(p.numel() for p in model.parameters())
     print(f"llama {flavor}: {n:,} parameters on {device}, median of {steps} steps")
     print("| optimizer | ms per step | vs AdamW |")

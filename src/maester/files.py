@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -132,3 +133,25 @@ def read_json_object(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a JSON {type(data).__name__}, not an object")
     return data
+
+
+# Two conventions for sizes, each where its users expect it.
+def parse_shard_size(text: str) -> int:
+    """Hugging Face's `max_shard_size`: '5GB' and '500MB' are decimal, '2GiB' binary; or a plain number of
+    bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    number = t.rstrip("KMGIB")
+    unit = t[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
+    return math.floor(float(number) * units[unit])
+
+
+def parse_buffer_size(text: str) -> int:
+    """nccl-tests' `-b`/`-e`: `4096`, `64K`, `32MiB`, `1G`, all binary multiples."""
+    multiples = {"": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
+    match = re.fullmatch(r"(\d+)([A-Za-z]*)", text.strip())
+    if not match or match.group(2).upper() not in multiples or int(match.group(1)) == 0:
+        raise ValueError(f"--sizes: {text!r} is not a size in bytes (e.g. 4096, 64K, 32MiB, 1G)")
+    return int(match.group(1)) * multiples[match.group(2).upper()]

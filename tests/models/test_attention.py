@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from maester.config import ModelConfig
-from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.build import build_model, build_on_meta, resolve_args
 from maester.models.layers import document_offsets, resolve_attention
 
 CPU = torch.device("cpu")
@@ -21,7 +21,7 @@ def needs_cuda(test):
 
 def tiny_model(attention: str = "auto", device: torch.device = CPU, seed: int = 0, **overrides) -> torch.nn.Module:
     cfg = ModelConfig(flavor="tiny", attention=attention, overrides=overrides)
-    return materialize(build_on_meta(cfg, resolve_args(cfg, BYTE_VOCAB)), device, seed).eval()
+    return build_model(cfg, BYTE_VOCAB, device, seed).eval()
 
 
 def conversations(lengths, vocab: int, seed: int) -> list[torch.Tensor]:

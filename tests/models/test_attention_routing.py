@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from maester.config import load_config
 from maester.data.batch import make_batch
 from maester.models import layers
-from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.build import build_model
 from maester.models.layers import document_offsets, resolve_attention, sdpa_priority
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -33,7 +33,7 @@ def test_auto_routes_every_masked_cuda_call_to_flex(choice, device, documents, w
 
 def tiny(name: str, precision_dtype=None):
     cfg = load_config(None, [f"--model.name={name}", "--model.flavor=tiny"], environ={})
-    return materialize(build_on_meta(cfg.model, resolve_args(cfg.model, 256, cfg.mup)), CPU, 0)
+    return build_model(cfg.model, 256, CPU, 0, cfg.mup)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma3"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from maester.config import ModelConfig
-from maester.models.build import build_on_meta, count_parameters, materialize, resolve_args
+from maester.models.build import build_model, build_on_meta, count_parameters, materialize, resolve_args
 from maester.models.layers import rope_inverse_frequencies
 from maester.models.args import RopeScaling
 
@@ -18,7 +18,7 @@ BYTE_VOCAB = 269  # the byte tokenizer's vocabulary; the model rounds it up to 3
 
 def tiny_model(seed: int = 0, **overrides) -> torch.nn.Module:
     cfg = ModelConfig(flavor="tiny", overrides=overrides)
-    model = materialize(build_on_meta(cfg, resolve_args(cfg, BYTE_VOCAB)), CPU, seed)
+    model = build_model(cfg, BYTE_VOCAB, CPU, seed)
     return model.eval()
 
 
@@ -203,7 +203,7 @@ def test_rope_llama31_scaling_matches_the_published_formula():
 
 def test_rope_scaling_is_used_by_the_model():
     cfg = ModelConfig(flavor="tiny", overrides={"rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 64}})
-    model = materialize(build_on_meta(cfg, resolve_args(cfg, BYTE_VOCAB)), CPU, 0)
+    model = build_model(cfg, BYTE_VOCAB, CPU, 0)
     expected = rope_inverse_frequencies(16, 10000.0, RopeScaling(factor=4.0, original_max_position_embeddings=64))
     torch.testing.assert_close(model.rotary.inv_freq, expected, rtol=0, atol=0)
     assert not torch.equal(model.rotary.inv_freq, rope_inverse_frequencies(16, 10000.0))

@@ -53,10 +53,10 @@ def test_chunk_size_keeps_logits_bounded():
 
 def test_model_loss_with_labels_equals_loss_of_logits():
     from maester.config import load_config
-    from maester.models.build import build_on_meta, materialize, resolve_args
+    from maester.models.build import build_model
 
     cfg = load_config(None, ["--model.flavor=tiny"], environ={})
-    model = materialize(build_on_meta(cfg.model, resolve_args(cfg.model, 256, cfg.mup)), torch.device("cpu"), 0)
+    model = build_model(cfg.model, 256, torch.device("cpu"), 0, cfg.mup)
     tokens = torch.randint(0, 256, (2, 16))
     labels = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(model(tokens, labels=labels), cross_entropy_sum(model(tokens), labels))

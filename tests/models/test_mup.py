@@ -10,7 +10,7 @@ import torch
 
 from maester.config import ModelConfig, MupConfig, ParallelConfig
 from maester.models.args import TransformerArgs
-from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.build import build_model, resolve_args
 from maester.models.hf import HFFormatError, check_convertible
 from maester.models.transformer import canonical_parameter_name, parameter_roles
 
@@ -22,7 +22,7 @@ BASE = 64  # the tiny flavors' width
 def build(name: str = "llama", width: int | None = None, mup: MupConfig | None = None, seed: int = 0,
           **overrides) -> torch.nn.Module:
     cfg = ModelConfig(name=name, flavor="tiny", width=width, attention="sdpa", overrides=overrides)
-    return materialize(build_on_meta(cfg, resolve_args(cfg, VOCAB, mup)), CPU, seed).eval()
+    return build_model(cfg, VOCAB, CPU, seed, mup).eval()
 
 
 def ids(seed: int = 1, shape=(2, 24)) -> torch.Tensor:

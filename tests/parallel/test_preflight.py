@@ -12,7 +12,9 @@ import torch
 
 from maester.cli import main
 from maester.config import ConfigError, load_config
-from maester.parallel.preflight import (DTYPES, FAULT_ENV, OPS, PreflightFailed, bus_factor, gather_input, parse_size,
+from maester.files import parse_buffer_size
+from maester.parallel.precision import DTYPES
+from maester.parallel.preflight import (FAULT_ENV, OPS, PreflightFailed, bus_factor, gather_input,
                                     reduce_expected, reduce_input)
 from maester.train.trainer import Trainer
 from tests.helpers import DEMO_CONFIG, clean_env, tiny_overrides, torchrun
@@ -54,9 +56,9 @@ def test_gather_inputs_differ_between_ranks_and_are_exact_in_16_bits():
 
 
 def test_sizes_and_config_are_validated():
-    assert [parse_size(s) for s in ("4096", "64K", "32MiB", "1G")] == [4096, 64 << 10, 32 << 20, 1 << 30]
+    assert [parse_buffer_size(s) for s in ("4096", "64K", "32MiB", "1G")] == [4096, 64 << 10, 32 << 20, 1 << 30]
     with pytest.raises(ValueError, match="'12KB' is not a size"):
-        parse_size("12KB")
+        parse_buffer_size("12KB")
     with pytest.raises(ConfigError, match="preflight.sizes: sizes are positive"):
         load_config(None, ["--preflight.sizes=[1024, 0]"], environ={})
     with pytest.raises(ConfigError, match="preflight.dtypes"):

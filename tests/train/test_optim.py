@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from maester.config import ModelConfig, MupConfig, OptimizerConfig
-from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.build import build_model
 from maester.train.optim import build_optimizer
 
 CPU = torch.device("cpu")
@@ -17,7 +17,7 @@ LR, MUON_LR, WD = 1e-3, 0.02, 0.1
 
 def tiny_model(name="llama", width=None, mup=None, **overrides):
     cfg = ModelConfig(name=name, flavor="tiny", width=width, overrides=overrides)
-    return materialize(build_on_meta(cfg, resolve_args(cfg, 269, mup)), CPU, 0)
+    return build_model(cfg, 269, CPU, 0, mup)
 
 
 def audit(model, opt) -> dict[str, tuple[float, float, bool]]:

@@ -230,12 +230,13 @@ def run_preflight(args) -> None:
     import torch.distributed as dist
 
     from maester.jobs.job_dir import config_for_target
-    from maester.parallel.preflight import PreflightFailed, parse_size, run_preflight
+    from maester.files import parse_buffer_size
+    from maester.parallel.preflight import PreflightFailed, run_preflight
     from maester.parallel.dims import init_distributed
 
     overrides = list(args.overrides)
     if args.sizes:
-        overrides.append(f"--preflight.sizes={json.dumps([parse_size(s) for s in args.sizes])}")
+        overrides.append(f"--preflight.sizes={json.dumps([parse_buffer_size(s) for s in args.sizes])}")
     if args.dtypes:
         overrides.append(f"--preflight.dtypes={json.dumps(args.dtypes)}")
     cfg, job_dir = config_for_target(args.target, overrides)

@@ -64,6 +64,13 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
     return model
 
 
+def build_model(cfg: ModelConfig, tokenizer_vocab: int, device: torch.device, seed: int,
+                mup: MupConfig | None = None) -> nn.Module:
+    """The whole model on one device, in float32, initialised from `seed`: for tools, tests and the seed
+    checkpoint. A training run builds on meta, shards, then materialises (`Trainer._build_model`)."""
+    return materialize(build_on_meta(cfg, resolve_args(cfg, tokenizer_vocab, mup)), device, seed)
+
+
 def count_parameters(model: nn.Module) -> int:
     """Distinct parameters (a tied embedding counts once)."""
     return sum(p.numel() for p in model.parameters())

@@ -7,7 +7,6 @@ fused, per-head-interleaved `query_key_value` is split into q, k and v here and 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -491,14 +490,3 @@ def write_hf_tensors(directory: Path, tensors: dict[str, torch.Tensor], max_shar
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names + ["model.safetensors.index.json"]
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', or a plain number of bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    t = text.strip().upper()
-    number = t.rstrip("KMGIB")
-    unit = t[len(number):]
-    if unit not in units or not number:
-        raise ValueError(f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
-    return math.floor(float(number) * units[unit])

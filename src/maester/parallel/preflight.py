@@ -37,11 +37,11 @@ import torch.distributed as dist
 
 from maester.config import PreflightConfig
 from maester.parallel.devices import process_group_backend
+from maester.parallel.precision import DTYPES
 
 REPORT_FILE = "preflight.json"
 FAULT_ENV = "_MAESTER_PREFLIGHT_FAULT"
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP = 3
 """Untimed calls of each collective before the checks and the timed iterations."""
 REDUCE_TERMS = 8
@@ -192,15 +192,6 @@ class Watchdog:
 
 
 # ---------------------------------------------------------------- the checks
-
-
-def parse_size(text: str) -> int:
-    """`4096`, `64K`, `32MiB`, `1G` as bytes (binary multiples, as nccl-tests reads its -b and -e)."""
-    multiples = {"": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
-    match = re.fullmatch(r"(\d+)([A-Za-z]*)", text.strip())
-    if not match or match.group(2).upper() not in multiples or int(match.group(1)) == 0:
-        raise ValueError(f"--sizes: {text!r} is not a size in bytes (e.g. 4096, 64K, 32MiB, 1G)")
-    return int(match.group(1)) * multiples[match.group(2).upper()]
 
 
 def format_size(n: int) -> str:

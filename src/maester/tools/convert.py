@@ -29,14 +29,14 @@ import torch
 from maester.config import Config
 from maester.files import read_json_object
 from maester.data.tokenizers import ByteTokenizer, build_tokenizer
-from maester.files import umask_mode
+from maester.files import parse_shard_size, umask_mode
+from maester.parallel.precision import DTYPES
 from maester.tools.hf_dir import hf_tokenizer_settings
 from maester.models.args import TransformerArgs
 from maester.progress import stages
 from maester.models.hf import (
     check_convertible,
     hf_config,
-    parse_size,
     read_hf_config,
     read_hf_tensors,
     state_dict_from_hf,
@@ -46,7 +46,6 @@ from maester.models.hf import (
 )
 from maester.models.registry import ARCHITECTURES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tokenizer files an HF directory may hold; tokenizer.json is the one maester reads, the others name its special
 # tokens and chat template.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -151,7 +150,7 @@ def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_sh
     out = Path(out)
     _refuse_existing(out)
     try:
-        max_bytes = parse_size(max_shard_size)
+        max_bytes = parse_shard_size(max_shard_size)
     except ValueError as e:
         raise ValueError(f"--max-shard-size: {e}") from None
     if upload is not None:

@@ -47,13 +47,12 @@ def fixed_batch(cfg: Config, tokenizer):
 
 def run_width(cfg: Config, width: int, seed: int, steps: int, batch, vocab: int) -> list[Record]:
     """Train the config's model at `width` for `steps` steps on `batch`, recording activation sizes."""
-    from maester.models.build import build_on_meta, materialize, resolve_args
+    from maester.models.build import build_model
     from maester.models.loss import cross_entropy_sum
     from maester.train.optim import build_optimizer
 
     model_cfg = ModelConfig.model_validate({**cfg.model.model_dump(), "width": width})
-    args = resolve_args(model_cfg, vocab, cfg.mup)
-    model = materialize(build_on_meta(model_cfg, args), torch.device("cpu"), seed)
+    model = build_model(model_cfg, vocab, torch.device("cpu"), seed, cfg.mup)
     optimizer = build_optimizer(model, cfg.optimizer, torch.device("cpu"))
     sums: dict[str, list[torch.Tensor]] = {}
 

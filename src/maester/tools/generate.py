@@ -12,7 +12,7 @@ from torch import nn
 
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer, build_tokenizer
-from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.build import build_model
 from maester.train.checkpoint import load_model_weights, resolve_checkpoint
 
 
@@ -31,7 +31,7 @@ def load_for_inference(target: str | Path, device: torch.device) -> tuple[nn.Mod
 
 def load_checkpoint_model(path: Path, cfg: Config, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
     """The model of checkpoint `path`, built from its config `cfg`, in float32 on `device`."""
-    model = materialize(build_on_meta(cfg.model, resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup)), device, 0)
+    model = build_model(cfg.model, tokenizer.vocab_size, device, 0, cfg.mup)
     load_model_weights(path, model)
     return model
 
@@ -51,8 +51,7 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
     transformer_args_from_hf(hf, str(path / "config.json"))  # its errors name the file, not pydantic's Config
     cfg = Config.model_validate({"model": {"hf_config": str(path)}, **hf_tokenizer_settings(path, hf)})
     tokenizer = build_tokenizer(cfg.tokenizer)
-    args = resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup)
-    model = materialize(build_on_meta(cfg.model, args), device, 0)
+    model = build_model(cfg.model, tokenizer.vocab_size, device, 0, cfg.mup)
     load_hf_weights(path, model, cfg.model.name, str(path))
     return model.eval(), tokenizer, cfg
 

@@ -22,12 +22,7 @@ from maester.config import HF_PREFIX, LOAD_MODES, Config
 from maester.data.batch import IGNORE_INDEX
 from maester.data.loader import build_loader
 from maester.data.tokenizers import build_tokenizer
-from maester.models.build import (
-    build_on_meta,
-    count_parameters,
-    materialize,
-    resolve_args,
-)
+from maester.models.build import build_model, build_on_meta, count_parameters, materialize, resolve_args
 from maester.parallel.devices import describe_environment
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout
 from maester.parallel.parallelize import (
@@ -607,8 +602,7 @@ def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
         raise ValueError(f"{job_dir} already has a checkpoint ({checkpointer.latest().name}): a seed checkpoint "
                          f"only starts a new job")
     tokenizer = build_tokenizer(cfg.tokenizer)
-    args = resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup)
-    model = materialize(build_on_meta(cfg.model, args), torch.device("cpu"), cfg.training.seed)
+    model = build_model(cfg.model, tokenizer.vocab_size, torch.device("cpu"), cfg.training.seed, cfg.mup)
     path = checkpointer.save(0, model, None, {"seed_checkpoint": True}, cfg.to_json())
     log.info("wrote seed checkpoint %s", path)
     return path
