@@ -40,7 +40,8 @@ def run_train(args) -> None:
 
     import torch.distributed as dist
 
-    from maester.train.trainer import Trainer, setup_logging
+    from maester.train.setup import setup_logging
+    from maester.train.trainer import Trainer
 
     setup_logging(None, rank)  # so that write_job_dir reports what the overrides change
     lock, existing = None, is_job_dir(job_dir)
@@ -273,7 +274,7 @@ def run_mup(args) -> None:
 
     from maester.config import load_config
     from maester.tools.coord_check import run
-    from maester.train.trainer import setup_logging
+    from maester.train.setup import setup_logging
 
     setup_logging()
     try:

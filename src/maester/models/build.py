@@ -67,7 +67,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
 def build_model(cfg: ModelConfig, tokenizer_vocab: int, device: torch.device, seed: int,
                 mup: MupConfig | None = None) -> nn.Module:
     """The whole model on one device, in float32, initialised from `seed`: for tools, tests and the seed
-    checkpoint. A training run builds on meta, shards, then materialises (`Trainer._build_model`)."""
+    checkpoint. A training run builds on meta, shards, then materialises (`train.setup.build_training_model`)."""
     return materialize(build_on_meta(cfg, resolve_args(cfg, tokenizer_vocab, mup)), device, seed)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from maester.config import OptimizerConfig, ParamGroupRule
 from maester.models.transformer import canonical_parameter_name, parameter_roles
+from maester.train.grad_scaler import LossScaler
 
 log = logging.getLogger("maester")
 
@@ -220,3 +221,23 @@ def describe_groups(groups: list[_Group], optimizer: str) -> str:
                      f"{g.weight_decay:g}", str(len(g.params)), f"{sum(p.numel() for p in g.params):,}", shown))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly distributed one (loss-parallel losses are replicated DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
+                   scaler: LossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP); returns the norm before clipping
+    and, with a loss `scaler` (fp16), the overflow flag, after dividing the gradients by the scale."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = full_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+    overflow = None
+    if scaler is not None:
+        norm, overflow = scaler.unscale(grads, norm)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm, overflow

@@ -8,13 +8,10 @@ import gc
 import logging
 import math
 import os
-import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,14 +19,10 @@ from maester.config import HF_PREFIX, LOAD_MODES, Config
 from maester.data.batch import IGNORE_INDEX
 from maester.data.loader import build_loader
 from maester.data.tokenizers import build_tokenizer
-from maester.models.build import build_model, build_on_meta, count_parameters, materialize, resolve_args
+from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout
-from maester.parallel.parallelize import (
-    parallelize,
-    selective_checkpointing_needs_compile,
-    uses_loss_parallel,
-)
+from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
 from maester.train.checkpoint import (
@@ -50,7 +43,7 @@ from maester.train.metrics import (
     peak_memory_gib,
 )
 from maester.train.nonfinite import NonFiniteError, NonFiniteGuard, skips_on_device
-from maester.train.optim import build_optimizer
+from maester.train.optim import build_optimizer, clip_grad_norm, full_value
 from maester.train.preemption import (
     REQUEUE_FILE,
     StopRequests,
@@ -59,6 +52,7 @@ from maester.train.preemption import (
 )
 from maester.train.profiling import Profiler
 from maester.train.schedule import lr_multiplier
+from maester.train.setup import build_training_model, seed_everything, setup_logging
 
 log = logging.getLogger("maester")
 
@@ -91,70 +85,6 @@ class _Run:
     stop_reason: str | None = None
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def setup_logging(job_dir: Path | None = None, rank: int = 0, per_rank_file: bool = False) -> None:
-    """Console (and logs/train.log) on rank 0; other ranks report warnings and errors only. `per_rank_file`: every
-    rank also writes its whole log to logs/rank-<R>.log."""
-    root = logging.getLogger("maester")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-        handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-        root.addHandler(handler)
-        root.propagate = False
-    root.setLevel(logging.INFO if rank == 0 or (per_rank_file and job_dir is not None) else logging.WARNING)
-    if job_dir is None:
-        return
-    names = (["train.log"] if rank == 0 else []) + ([f"rank-{rank}.log"] if per_rank_file else [])
-    (job_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for name in names:
-        path = (job_dir / "logs" / name).resolve()
-        if not any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
-            fh = logging.FileHandler(path)
-            fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-            root.addHandler(fh)
-
-
-def copy_single_process_init(model: torch.nn.Module, cfg: Config, args, param_dtype: torch.dtype) -> None:
-    """Give a sharded CPU model exactly the weights one process would initialise.
-
-    DTensor random ops on CPU draw the same numbers on every rank, so shards would repeat each other; on CPU
-    (small models, tests, debugging) each rank instead builds the whole model and keeps its own shards.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-    )
-
-    full = materialize(build_on_meta(cfg.model, args, param_dtype), torch.device("cpu"), cfg.training.seed)
-    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
-
-
-def full_value(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a possibly distributed one (loss-parallel losses are replicated DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
-                   scaler: LossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP); returns the norm before clipping
-    and, with a loss `scaler` (fp16), the overflow flag, after dividing the gradients by the scale."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = full_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
-    overflow = None
-    if scaler is not None:
-        norm, overflow = scaler.unscale(grads, norm)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm, overflow
-
-
 class Trainer:
     def __init__(self, cfg: Config, job_dir: Path):
         self.cfg, self.job_dir = cfg, Path(job_dir)
@@ -174,27 +104,10 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
         self.tokenizer = build_tokenizer(cfg.tokenizer)
-        args = resolve_args(cfg.model, self.tokenizer.vocab_size, cfg.mup)
-        if cfg.data.seq_len > args.max_seq_len:
-            raise ValueError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's context, max_seq_len = "
-                             f"{args.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); set "
-                             f"model.overrides.max_seq_len to train at longer sequences")
         self.precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, self.device.type,
                                            self.dims.fsdp_enabled)
         self.scaler = None  # fp16: made with the parameters, on their device
-        parallel = cfg.parallel
-        documents = cfg.data.document_masking or cfg.data.mode == "sft"
-        if selective_checkpointing_needs_compile(parallel, args, documents, cfg.data.seq_len, self.device.type):
-            log.warning("parallel.activation_checkpointing = 'selective-op' with FlexAttention needs the blocks "
-                        "compiled (eager selective checkpointing around compiled flex fails or recomputes it): "
-                        "compiling them although parallel.compile = false")
-            parallel = parallel.model_copy(update={"compile": True})
-        model = parallelize(build_on_meta(cfg.model, args, self.precision.param_dtype), self.dims, parallel,
-                            self.device, self.precision)
-        init_device = torch.device("cpu") if cfg.parallel.cpu_offload else self.device
-        self.model = materialize(model, init_device, cfg.training.seed, buffer_device=self.device)
-        if self.world_size > 1 and self.device.type == "cpu":
-            copy_single_process_init(self.model, cfg, args, self.precision.param_dtype)
+        self.model = build_training_model(cfg, self.tokenizer.vocab_size, self.dims, self.device, self.precision)
         if self.precision.loss_scaling:
             self.scaler = LossScaler(next(iter(self.model.parameters())).device)
         self.loss_parallel = uses_loss_parallel(self.model)

@@ -1,0 +1,88 @@
+"""What a training process sets up before its first step: logging, seeds, and the model built on meta, sharded
+from outside and materialised with the weights one process would initialise."""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from maester.config import Config
+from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.parallel.dims import ParallelDims
+from maester.parallel.parallelize import parallelize, selective_checkpointing_needs_compile
+from maester.parallel.precision import Precision
+
+log = logging.getLogger("maester")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup_logging(job_dir: Path | None = None, rank: int = 0, per_rank_file: bool = False) -> None:
+    """Console (and logs/train.log) on rank 0; other ranks report warnings and errors only. `per_rank_file`: every
+    rank also writes its whole log to logs/rank-<R>.log."""
+    root = logging.getLogger("maester")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+        root.addHandler(handler)
+        root.propagate = False
+    root.setLevel(logging.INFO if rank == 0 or (per_rank_file and job_dir is not None) else logging.WARNING)
+    if job_dir is None:
+        return
+    names = (["train.log"] if rank == 0 else []) + ([f"rank-{rank}.log"] if per_rank_file else [])
+    (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for name in names:
+        path = (job_dir / "logs" / name).resolve()
+        if not any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
+            fh = logging.FileHandler(path)
+            fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            root.addHandler(fh)
+
+
+def copy_single_process_init(model: torch.nn.Module, cfg: Config, args, param_dtype: torch.dtype) -> None:
+    """Give a sharded CPU model exactly the weights one process would initialise.
+
+    DTensor random ops on CPU draw the same numbers on every rank, so shards would repeat each other; on CPU
+    (small models, tests, debugging) each rank instead builds the whole model and keeps its own shards.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
+
+    full = materialize(build_on_meta(cfg.model, args, param_dtype), torch.device("cpu"), cfg.training.seed)
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
+def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, device: torch.device,
+                         precision: Precision) -> torch.nn.Module:
+    """The run's model: built on meta in the parameter dtype, parallelised (FSDP2/TP/DDP, activation
+    checkpointing, compile) and then materialised, on the CPU first under `parallel.cpu_offload`."""
+    args = resolve_args(cfg.model, tokenizer_vocab, cfg.mup)
+    if cfg.data.seq_len > args.max_seq_len:
+        raise ValueError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's context, max_seq_len = "
+                         f"{args.max_seq_len} ({cfg.model.name}/{cfg.model.flavor}); set "
+                         f"model.overrides.max_seq_len to train at longer sequences")
+    parallel = cfg.parallel
+    documents = cfg.data.document_masking or cfg.data.mode == "sft"
+    if selective_checkpointing_needs_compile(parallel, args, documents, cfg.data.seq_len, device.type):
+        log.warning("parallel.activation_checkpointing = 'selective-op' with FlexAttention needs the blocks "
+                    "compiled (eager selective checkpointing around compiled flex fails or recomputes it): "
+                    "compiling them although parallel.compile = false")
+        parallel = parallel.model_copy(update={"compile": True})
+    model = parallelize(build_on_meta(cfg.model, args, precision.param_dtype), dims, parallel, device, precision)
+    init_device = torch.device("cpu") if cfg.parallel.cpu_offload else device
+    model = materialize(model, init_device, cfg.training.seed, buffer_device=device)
+    if dims.world_size > 1 and device.type == "cpu":
+        copy_single_process_init(model, cfg, args, precision.param_dtype)
+    return model
