@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from maester.train.checkpoint import _dcp_load
+from maester.train.checkpoint_files import dcp_load
 from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, write_corpus
 
 
@@ -78,7 +78,7 @@ def test_crafted_value_runs_nothing(tmp_path):
         dcp.save({"w": torch.zeros(2), "hyper": Payload(marker)}, checkpoint_id=tmp_path / "ckpt")
     state = {"w": torch.ones(2), "hyper": None}
     with pytest.raises(ValueError, match="the value of hyper is refused"):
-        _dcp_load(state, tmp_path / "ckpt")
+        dcp_load(state, tmp_path / "ckpt")
     assert not marker.exists()
 
 
@@ -88,6 +88,6 @@ def test_plain_values_still_load(tmp_path):
         dcp.save({"w": torch.arange(3.0), "hyper": {"lr": 0.1, "betas": (0.9, 0.95), "name": "decay"}},
                  checkpoint_id=tmp_path / "ckpt")
     state = {"w": torch.zeros(3), "hyper": {"lr": None, "betas": None, "name": None}}
-    _dcp_load(state, tmp_path / "ckpt")
+    dcp_load(state, tmp_path / "ckpt")
     assert state["hyper"] == {"lr": 0.1, "betas": (0.9, 0.95), "name": "decay"}
     assert torch.equal(state["w"], torch.arange(3.0))

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from maester.train.checkpoint import verify_checkpoint
+from maester.train.checkpoint_files import verify_checkpoint
 from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, write_corpus
 
 

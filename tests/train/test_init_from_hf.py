@@ -14,7 +14,8 @@ from maester.data.batch import IGNORE_INDEX
 from maester.jobs.job_dir import write_job_dir
 from maester.models.hf import read_hf_tensors, state_dict_from_hf
 from maester.tools.convert import from_hf
-from maester.train.checkpoint import read_trainer_state, resolve_checkpoint
+from maester.train.checkpoint import resolve_checkpoint
+from maester.train.checkpoint_files import read_trainer_state
 from maester.train.metrics import read_metrics
 from maester.train.trainer import Trainer
 from tests.helpers import tiny_overrides, torchrun, write_corpus

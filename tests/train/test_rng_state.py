@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from maester.train.checkpoint import capture_rng_state, read_rng_state, restore_rng_state
+from maester.train.checkpoint_files import capture_rng_state, read_rng_state, restore_rng_state
 
 
 def draws() -> tuple:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from maester.config import load_config
-from maester.train.checkpoint import load_model_weights, resolve_checkpoint
+from maester.train.checkpoint import resolve_checkpoint
+from maester.train.checkpoint_files import load_model_weights
 from maester.train.metrics import read_metrics
 from maester.train.trainer import Trainer
 from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides

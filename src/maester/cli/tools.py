@@ -108,7 +108,7 @@ def add_checkpoint(sub, name: str) -> None:
 def run_checkpoint(args) -> None:
     from pathlib import Path
 
-    from maester.train.checkpoint import step_dirs, verify_checkpoint
+    from maester.train.checkpoint_files import step_dirs, verify_checkpoint
 
     target = Path(args.target)
     if (target / ".metadata").is_file() or (target / "manifest.json").is_file():

@@ -127,7 +127,7 @@ def _save_model_state(directory: Path, name: str, args: TransformerArgs, state: 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from maester.train.checkpoint import single_process_ok
+    from maester.train.checkpoint_files import single_process_ok
 
     with torch.device("meta"):
         model = ARCHITECTURES[name].model_class()(args)

@@ -13,7 +13,8 @@ from torch import nn
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer, build_tokenizer
 from maester.models.build import build_model
-from maester.train.checkpoint import load_model_weights, resolve_checkpoint
+from maester.train.checkpoint import resolve_checkpoint
+from maester.train.checkpoint_files import load_model_weights
 
 
 def load_for_inference(target: str | Path, device: torch.device) -> tuple[nn.Module, Tokenizer, Config]:
@@ -42,7 +43,7 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
     from-hf` would set them."""
     from maester.models.hf import read_hf_config, transformer_args_from_hf
     from maester.tools.hf_dir import hf_tokenizer_settings
-    from maester.train.checkpoint import load_hf_weights
+    from maester.train.hf_weights import load_hf_weights
 
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json: generating from an HF directory needs the model's "

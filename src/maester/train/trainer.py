@@ -25,14 +25,11 @@ from maester.parallel.dims import ParallelDims, init_distributed, set_collective
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
-from maester.train.checkpoint import (
-    Checkpointer,
-    load_hf_weights,
-    read_trainer_state,
-    resolve_checkpoint,
-)
+from maester.train.checkpoint import Checkpointer, resolve_checkpoint
+from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
+from maester.train.hf_weights import load_hf_weights
 from maester.train.metrics import (
     MetricsWindow,
     MetricsWriter,
