@@ -124,6 +124,14 @@ class AtomicOutputs:
         self._pairs.clear()
 
 
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """`path` holds `data` whole, or keeps what it held: written beside it under a temporary name, flushed to disk,
+    then renamed over it."""
+    with AtomicOutputs() as out:
+        with open(out.temp_for(Path(path)), "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+
+
 def read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object; errors name the file."""
     try:

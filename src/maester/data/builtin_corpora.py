@@ -9,6 +9,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from maester.files import AtomicOutputs
+
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -86,7 +88,6 @@ def materialize_builtin(name: str) -> Path:
     import pyarrow.parquet as pq
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    pq.write_table(pa.table({column: rows()}), tmp)
-    os.replace(tmp, path)
+    with AtomicOutputs() as out:
+        pq.write_table(pa.table({column: rows()}), out.temp_for(path))
     return path

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from maester.config import Config, load_config
+from maester.files import write_atomically
 from maester.jobs.slurm import render_slurm_script
 
 log = logging.getLogger("maester")
@@ -28,8 +29,8 @@ def write_job_dir(cfg: Config, job_dir: Path | None = None) -> Path:
             log.info("updating %s: %s", job_dir / CONFIG_FILE, ", ".join(changed))
     for sub in ("logs", "checkpoints"):
         (job_dir / sub).mkdir(parents=True, exist_ok=True)
-    _write_atomically(job_dir / CONFIG_FILE, cfg.to_json())
-    _write_atomically(job_dir / "slurm.sh", render_slurm_script(cfg, job_dir, _workdir_of(job_dir / "slurm.sh")))
+    write_atomically(job_dir / CONFIG_FILE, cfg.to_json())
+    write_atomically(job_dir / "slurm.sh", render_slurm_script(cfg, job_dir, _workdir_of(job_dir / "slurm.sh")))
     os.chmod(job_dir / "slurm.sh", 0o755)
     return job_dir
 
@@ -47,12 +48,6 @@ def _workdir_of(script: Path) -> Path | None:
             if len(words) == 2:
                 return Path(words[1])
     return None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def config_for_target(target: str, overrides: list[str]) -> tuple[Config, Path]:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from maester.config import PreflightConfig
+from maester.files import write_atomically
 from maester.parallel.devices import process_group_backend
 from maester.parallel.precision import DTYPES
 
@@ -99,9 +100,7 @@ class PreflightReport:
     def write(self, job_dir: Path) -> Path:
         job_dir.mkdir(parents=True, exist_ok=True)
         path = job_dir / REPORT_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
+        write_atomically(path, self.to_json())
         return path
 
 

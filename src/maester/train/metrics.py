@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from maester.files import write_atomically
 from maester.models.loss import IGNORE_INDEX
 from maester.train.sinks import Sink, open_sinks, scalars
 
@@ -191,9 +191,7 @@ def _drop_lines_after(path: Path, step: int) -> None:
     lines = path.read_bytes().splitlines(keepends=True)
     kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
     if len(kept) < len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(b"".join(kept))
-        os.replace(tmp, path)
+        write_atomically(path, b"".join(kept))
 
 
 def _step_of(line: bytes) -> int | None:

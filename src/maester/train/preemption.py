@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,6 +35,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from maester import exit_codes
+from maester.files import write_atomically
 
 if TYPE_CHECKING:
     import torch
@@ -140,9 +140,7 @@ class StopRequests:
 def write_marker(path: Path, record: dict) -> None:
     """A small JSON file with the current UTC time added, replaced atomically."""
     record = {**record, "time": datetime.now(UTC).isoformat(timespec="seconds")}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(record, indent=2) + "\n")
 
 
 def read_marker(path: Path) -> dict | None:

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from maester.files import write_atomically
+
 log = logging.getLogger("maester")
 
 TENSORBOARD_DIR = "tensorboard"
@@ -145,7 +147,5 @@ def wandb_run_id(job_dir: Path) -> str:
         return run_id
     run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, run_id + "\n")
     return run_id
