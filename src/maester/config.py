@@ -391,10 +391,22 @@ class CheckpointConfig(Section):
     """Read a checkpoint's RNG state saved by an older maester (pickled Python objects: loading them can run
     code). Off: such a file is refused with a message; checkpoints of this version hold no pickle."""
 
+    @property
+    def init_from_hf(self) -> str | None:
+        """The Hugging Face directory of `init_from = "hf:PATH"`; None when `init_from` is not one."""
+        if self.init_from is None or not self.init_from.startswith(HF_PREFIX):
+            return None
+        return self.init_from[len(HF_PREFIX):]
+
+    @property
+    def init_from_path(self) -> str | None:
+        """The directory `init_from` names, a checkpoint or a Hugging Face directory."""
+        return self.init_from_hf if self.init_from_hf is not None else self.init_from
+
     @model_validator(mode="after")
     def _check_load_mode(self) -> "CheckpointConfig":
-        if self.init_from is not None and self.init_from.startswith(HF_PREFIX):
-            if not self.init_from[len(HF_PREFIX):]:
+        if self.init_from_hf is not None:
+            if not self.init_from_hf:
                 raise ValueError(f"checkpoint.init_from = {self.init_from!r}: give the Hugging Face model directory "
                                  f"after {HF_PREFIX!r}")
             taken = LOAD_MODES[self.load_mode] - {"model"}

@@ -107,7 +107,7 @@ def check_inputs(cfg: Config) -> list[str]:
     if cfg.tokenizer.path is not None and not Path(cfg.tokenizer.path).exists():
         problems.append(f"tokenizer.path: {cfg.tokenizer.path} does not exist")
     if cfg.checkpoint.init_from:
-        source = cfg.checkpoint.init_from.removeprefix("hf:")
+        source = cfg.checkpoint.init_from_path
         if not Path(source).exists():
             problems.append(f"checkpoint.init_from: {source} does not exist")
     return problems

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from maester.config import HF_PREFIX, LOAD_MODES, Config
+from maester.config import LOAD_MODES, Config
 from maester.data.batch import IGNORE_INDEX
 from maester.data.loader import build_loader
 from maester.data.tokenizers import build_tokenizer
@@ -155,8 +155,8 @@ class Trainer:
             self.checkpointer.load(latest, self.model, self.optimizer, "model_only")
             self._take_trainer_state({}, LOAD_MODES["model_only"])
             log.info("initialised model weights from the seed checkpoint %s", latest)
-        elif c.init_from and c.init_from.startswith(HF_PREFIX):
-            source = Path(c.init_from[len(HF_PREFIX):])
+        elif c.init_from_hf is not None:
+            source = Path(c.init_from_hf)
             load_hf_weights(source, self.model, self.cfg.model.name, f"checkpoint.init_from = {c.init_from!r}")
             self._take_trainer_state({}, LOAD_MODES["model_only"])
             self.provenance = {"init_from": c.init_from, "load_mode": c.load_mode}
