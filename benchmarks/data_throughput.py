@@ -79,6 +79,7 @@ def main() -> None:
     import numpy as np
 
     from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
+    from maester.data.batch import BatchPlan
     from maester.data.indexed import IndexedDataset, IndexedDatasetWriter
     from maester.data.loader import build_loader
     from maester.data.tokenizers import build_tokenizer
@@ -113,7 +114,7 @@ def main() -> None:
 
         def loader_rate(data: DataConfig, steps: int) -> float:
             start = time.perf_counter()  # from construction: reading metadata and the first chunks count too
-            ld = build_loader(data, tok_cfg, tokenizer, seed=0, global_batch=16, micro_batch=16)
+            ld = build_loader(data, tok_cfg, tokenizer, seed=0, batch=BatchPlan(16, 16))
             for _ in range(steps):
                 ld.next_step()
             return steps * 16 * args.seq_len / (time.perf_counter() - start)

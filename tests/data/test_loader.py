@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
-from maester.data.batch import documents_from_eos
+from maester.data.batch import BatchPlan, documents_from_eos
 from maester.data.loader import build_loader
 from maester.data.text_files import InvalidDocument, TextSource, resolve_files
 from maester.data.text_stream import TextLoader
@@ -52,8 +52,7 @@ def data_cfg(*sources, seq_len: int = 16, num_workers: int = 0, chunk_documents:
 
 def loader(cfg: DataConfig, *, seed: int = 0, global_batch: int = 4, micro_batch: int = 2, dp_rank: int = 0,
            dp_size: int = 1) -> TextLoader:
-    return build_loader(cfg, TOK_CFG, TOK, seed=seed, global_batch=global_batch, micro_batch=micro_batch,
-                        dp_rank=dp_rank, dp_size=dp_size)
+    return build_loader(cfg, TOK_CFG, TOK, seed=seed, batch=BatchPlan(global_batch, micro_batch, dp_size, dp_rank))
 
 
 def step_rows(ld) -> torch.Tensor:

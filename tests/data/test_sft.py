@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from maester.config import DataConfig, SFTConfig, TokenizerConfig
+from maester.data.batch import IGNORE_INDEX, BatchPlan
 from maester.data.chat import ChatEncoder
-from maester.data.batch import IGNORE_INDEX
 from maester.data.sft import SFTLoader
 from maester.data.tokenizers import ByteTokenizer
 
@@ -43,8 +43,8 @@ def data_config(*sources: dict, seq_len: int = 320, **kw) -> DataConfig:
 
 
 def loader(data: DataConfig, global_batch=4, micro_batch=2, rank=0, size=1, seed=0) -> SFTLoader:
-    return SFTLoader(data, TOKENIZER, ByteTokenizer(), seed=seed, global_batch=global_batch,
-                     micro_batch=micro_batch, dp_rank=rank, dp_size=size)
+    return SFTLoader(data, TOKENIZER, ByteTokenizer(), seed=seed,
+                     batch=BatchPlan(global_batch, micro_batch, size, rank))
 
 
 def documents(batches) -> list[tuple[tuple, tuple]]:

@@ -13,6 +13,7 @@ from maester.data.indexed import IndexedDatasetWriter, write_llmc_shard
 from maester.data.loader import build_loader
 from maester.data.tokenizers import ByteTokenizer
 from maester.data import token_stream
+from maester.data.batch import BatchPlan
 from tests.data.test_sft import TOKENIZER, data_config, loader, write_conversations
 from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides
 
@@ -42,7 +43,7 @@ def write(kind: str, path, tokens: np.ndarray) -> str:
 def make(path: str, kind: str):
     source = DataSourceConfig(path=path, format="nanogpt" if kind == "nanogpt" else "auto")
     return build_loader(DataConfig(sources=[source], seq_len=32), TokenizerConfig(kind="byte"), TOK, seed=0,
-                        global_batch=4, micro_batch=2)
+                        batch=BatchPlan(4, 2))
 
 
 @pytest.mark.parametrize("kind", ["indexed", "llmc", "nanogpt"])

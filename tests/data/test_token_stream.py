@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
+from maester.data.batch import BatchPlan
 from maester.data.indexed import IndexedDatasetWriter, write_llmc_shard
 from maester.data.loader import build_loader
 from maester.data.permutation import Permutation
@@ -33,8 +34,9 @@ def cfg(*sources, seq_len: int = 8, **kw) -> DataConfig:
 
 
 def make(data: DataConfig, **kw) -> TokenLoader:
-    kw = {"seed": 0, "global_batch": 4, "micro_batch": 2, **kw}
-    return build_loader(data, TokenizerConfig(kind="byte"), TOK, **kw)
+    kw = {"seed": 0, "global_batch": 4, "micro_batch": 2, "dp_rank": 0, "dp_size": 1, **kw}
+    batch = BatchPlan(kw.pop("global_batch"), kw.pop("micro_batch"), kw.pop("dp_size"), kw.pop("dp_rank"))
+    return build_loader(data, TokenizerConfig(kind="byte"), TOK, batch=batch, **kw)
 
 
 def rows(ld) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from maester.config import load_config
+from maester.data.batch import BatchPlan
 from maester.data.batch import make_batch
 from maester.models import layers
 from maester.models.build import build_model
@@ -73,8 +74,8 @@ def test_sft_batches_carry_offsets(tmp_path):
     write_conversations(chats, 20)
     cfg = load_config(None, ["--data.mode=sft", "--data.seq_len=128",
                              f"--data.sources={json.dumps([{'path': str(chats)}])}"], environ={})
-    loader = build_loader(cfg.data, cfg.tokenizer, build_tokenizer(cfg.tokenizer), seed=0, global_batch=4,
-                          micro_batch=2)
+    loader = build_loader(cfg.data, cfg.tokenizer, build_tokenizer(cfg.tokenizer), seed=0,
+                          batch=BatchPlan(4, 2))
     for batch in loader.next_step():
         assert torch.equal(batch.document_offsets, document_offsets(batch.document_ids, 2, 128, CPU))
 

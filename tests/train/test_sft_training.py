@@ -8,6 +8,7 @@ import math
 import pytest
 
 from maester.config import load_config
+from maester.data.batch import BatchPlan
 from maester.data.batch import IGNORE_INDEX
 from maester.data.loader import build_loader
 from maester.data.tokenizers import build_tokenizer
@@ -34,8 +35,8 @@ def test_sft_run_logs_padding_labels_and_validation(tmp_path):
     records = read_metrics(cfg.job_dir / "metrics.jsonl")
     first = records[0]
     # the label tokens of the first step, counted independently from a fresh loader
-    fresh = build_loader(cfg.data, cfg.tokenizer, build_tokenizer(cfg.tokenizer), seed=0, global_batch=4,
-                         micro_batch=2)
+    fresh = build_loader(cfg.data, cfg.tokenizer, build_tokenizer(cfg.tokenizer), seed=0,
+                         batch=BatchPlan(4, 2))
     batches = fresh.next_step()
     labels = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
     real = sum(int((b.document_ids >= 0).sum()) for b in batches)

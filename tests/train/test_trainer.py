@@ -45,7 +45,7 @@ def test_loss_does_not_depend_on_micro_batch_split(corpus, tmp_path, micro):
                          training__steps=3, checkpoint__save_final="false")
     split = make_trainer(corpus, tmp_path, "split", training__global_batch_size=8, training__micro_batch_size=micro,
                          training__steps=3, checkpoint__save_final="false")
-    assert split.loader.accumulation_steps == 8 // micro and whole.loader.accumulation_steps == 1
+    assert split.loader.batch.accumulation_steps == 8 // micro and whole.loader.batch.accumulation_steps == 1
     whole.train()
     split.train()
     a, b = losses(whole.job_dir), losses(split.job_dir)

@@ -1,5 +1,5 @@
 """The micro-batch every loader yields (`Batch`, in Hugging Face names), how windows of tokens become one
-(`make_batch`), and the check that a global batch splits over ranks and micro-batches. The bottom of `data/`: it
+(`make_batch`), and how a global batch splits over ranks and micro-batches (`BatchPlan`). The bottom of `data/`: it
 imports nothing of `data/`, only the loss's IGNORE_INDEX and the models' document offsets."""
 
 from __future__ import annotations
@@ -46,10 +46,32 @@ class Batch:
         return self.input_ids.numel()
 
 
-def check_batch_split(global_batch: int, micro_batch: int, dp_size: int) -> None:
-    if global_batch % dp_size or (global_batch // dp_size) % micro_batch:
-        raise ValueError(f"global batch of {global_batch} sequences does not split into {dp_size} ranks "
-                         f"x micro-batches of {micro_batch}")
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's global batch of sequences splits: over `dp_size` data-parallel ranks (this one is `dp_rank`),
+    each running `accumulation_steps` micro-batches of `micro_batch` sequences. Checked once, when made
+    (`ParallelDims.batch_plan` makes the run's); every loader takes it as it is."""
+
+    global_batch: int
+    micro_batch: int
+    dp_size: int = 1
+    dp_rank: int = 0
+
+    def __post_init__(self):
+        if min(self.global_batch, self.micro_batch, self.dp_size) < 1 or not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"a batch plan needs positive sizes and a rank below dp_size, got {self}")
+        if self.global_batch % (self.micro_batch * self.dp_size):
+            raise ValueError(f"global batch of {self.global_batch} sequences does not split into {self.dp_size} "
+                             f"data-parallel rank(s) x micro-batches of {self.micro_batch}: make "
+                             f"training.global_batch_size a multiple of {self.micro_batch * self.dp_size} sequences")
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.dp_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.per_rank // self.micro_batch
 
 
 def make_batch(rows: torch.Tensor, document_masking: bool, eos_id: int | None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
-from maester.data.batch import Batch, make_batch
+from maester.data.batch import Batch, BatchPlan, make_batch
 from maester.data.sft import SFTLoader
 from maester.data.text_files import InvalidDocument, TextSource
 from maester.data.text_stream import TextLoader
@@ -28,9 +28,9 @@ def is_pretokenized(cfg: DataConfig) -> bool:
     return kinds.pop()
 
 
-def build_loader(cfg: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, global_batch: int,
-                 micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None):
-    kw = dict(seed=seed, global_batch=global_batch, micro_batch=micro_batch, dp_rank=dp_rank, dp_size=dp_size)
+def build_loader(cfg: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, batch: BatchPlan,
+                 group=None):
+    kw = dict(seed=seed, batch=batch)
     if cfg.mode == "sft":
         return SFTLoader(cfg, tokenizer_cfg, tokenizer, group=group, **kw)
     if is_pretokenized(cfg):

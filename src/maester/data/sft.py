@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, SFTConfig, TokenizerConfig
-from maester.data.batch import IGNORE_INDEX, Batch, check_batch_split
+from maester.data.batch import IGNORE_INDEX, Batch, BatchPlan
 from maester.data.permutation import Permutation, mix64, mix_key, seed_key
 
 log = logging.getLogger("maester")
@@ -212,12 +212,11 @@ class EpochPlan:
 class SFTLoader:
     """Each optimizer step's micro-batches of packed rows for one data-parallel rank."""
 
-    def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int,
-                 global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None):
-        check_batch_split(global_batch, micro_batch, dp_size)
-        self.data, self.tokenizer, self.seed, self.group = data, tokenizer, seed, group
-        self.global_batch, self.micro_batch = global_batch, micro_batch
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+    def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, batch: BatchPlan,
+                 group=None):
+        self.data, self.tokenizer, self.seed, self.group, self.batch = data, tokenizer, seed, group, batch
+        self.global_batch, self.micro_batch = batch.global_batch, batch.micro_batch
+        self.dp_rank, self.dp_size = batch.dp_rank, batch.dp_size
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         self.sources = [load_source(cfg, data, tokenizer_cfg, tokenizer.vocab_size) for cfg in data.sources]
         self._fingerprint = self._compute_fingerprint(tokenizer_cfg)
@@ -228,10 +227,6 @@ class SFTLoader:
         for src in self.sources:
             log.info("SFT source %s: %s", src.cfg.display_name(), ", ".join(f"{k} {v}" for k, v in
                                                                          sorted(src.counts.items())))
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.global_batch // self.dp_size // self.micro_batch
 
     def _compute_fingerprint(self, tokenizer_cfg: TokenizerConfig) -> str:
         h = hashlib.sha256()

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from maester.config import DataConfig, TokenizerConfig
-from maester.data.batch import check_batch_split, make_batch
+from maester.data.batch import BatchPlan, make_batch
 from maester.data.permutation import Permutation, mix64, seed_key
 from maester.data.text_files import InvalidDocument, TextSource
 
@@ -182,13 +182,14 @@ def _snapshot(state: dict) -> dict:
 class TextLoader:
     """Each optimizer step's micro-batches for one data-parallel rank, from raw text tokenized on the fly."""
 
-    def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int,
-                 global_batch: int, micro_batch: int, dp_rank: int = 0, dp_size: int = 1, group=None):
-        check_batch_split(global_batch, micro_batch, dp_size)
+    def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, batch: BatchPlan,
+                 group=None):
+        global_batch, micro_batch, dp_rank, dp_size = (batch.global_batch, batch.micro_batch, batch.dp_rank,
+                                                       batch.dp_size)
         if data.add_bos and tokenizer.bos_id is None:
             raise ValueError("data.add_bos is set but the tokenizer has no BOS token")
         self.data, self.tokenizer, self.seed, self.group = data, tokenizer, seed, group
-        self.global_batch, self.micro_batch, self.dp_size = global_batch, micro_batch, dp_size
+        self.batch, self.global_batch, self.micro_batch, self.dp_size = batch, global_batch, micro_batch, dp_size
         self.plan = StreamPlan(data, tokenizer_cfg, [TextSource(s, data.chunk_documents) for s in data.sources],
                                global_batch, seed)
         per_rank = global_batch // dp_size
@@ -200,10 +201,6 @@ class TextLoader:
             log.info("data.num_workers=%d, but this rank serves %d streams: using %d workers",
                      data.num_workers, per_rank, self.num_workers)
         self._batches = None
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.global_batch // self.dp_size // self.micro_batch
 
     def _iterator(self):
         dataset = _StepRows(self.plan, self.streams, dict(self.states), self.num_workers)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from maester.config import DataConfig, DataSourceConfig
-from maester.data.batch import check_batch_split, make_batch
+from maester.data.batch import BatchPlan, make_batch
 from maester.data.indexed import LLMC_MAGIC, IndexedDataset, read_llmc_shard, read_nanogpt_bin
 from maester.data.permutation import Permutation, seed_key
 
@@ -119,11 +119,10 @@ class TokenSource:
 class TokenLoader:
     """Each optimizer step's micro-batches for one data-parallel rank, from pre-tokenized sources."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, *, seed: int, global_batch: int, micro_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1):
-        check_batch_split(global_batch, micro_batch, dp_size)
-        self.data, self.tokenizer, self.seed = cfg, tokenizer, seed
-        self.global_batch, self.micro_batch, self.dp_rank, self.dp_size = global_batch, micro_batch, dp_rank, dp_size
+    def __init__(self, cfg: DataConfig, tokenizer, *, seed: int, batch: BatchPlan):
+        self.data, self.tokenizer, self.seed, self.batch = cfg, tokenizer, seed, batch
+        self.global_batch, self.micro_batch = batch.global_batch, batch.micro_batch
+        self.dp_rank, self.dp_size = batch.dp_rank, batch.dp_size
         self.sources = [TokenSource(s, cfg.seq_len, tokenizer.vocab_size) for s in cfg.sources]
         weights = np.array([s.weight for s in cfg.sources], dtype=np.float64)
         self.bounds = np.cumsum(weights / weights.sum())[:-1]
@@ -131,10 +130,6 @@ class TokenLoader:
         self.counts = np.zeros(len(self.sources), dtype=np.int64)
         self._fingerprint: str | None = None
         self._perms: dict[int, tuple[int, Permutation]] = {}  # source -> (epoch, its permutation)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.global_batch // self.dp_size // self.micro_batch
 
     def sources_of(self, first: int, n: int) -> np.ndarray:
         """The source of global samples first .. first + n - 1: where frac(g * phi) falls among the weights."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from maester.config import Config
+from maester.data.batch import BatchPlan
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,7 @@ class ParallelDims:
             for key, default in (("param_dtype", "auto"), ("cpu_offload", False)):
                 if getattr(p, key) != default:
                     raise ValueError(f"parallel.{key} applies to FSDP only, but dp_shard = {self.dp_shard}")
-        micro = cfg.sequences(cfg.training.micro_batch_size)
-        glob = cfg.sequences(cfg.training.global_batch_size)
-        if glob % (micro * self.dp_size):
-            raise ValueError(f"global batch of {glob} sequences does not split into {self.dp_size} data-parallel "
-                             f"rank(s) x micro-batches of {micro}: make training.global_batch_size a multiple "
-                             f"of {micro * self.dp_size} sequences")
+        self.batch_plan(cfg, dp_rank=0)  # refuses a global batch that does not split
 
     @property
     def dp_size(self) -> int:
@@ -91,6 +87,13 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.mesh["dp"].get_local_rank()
+
+    def batch_plan(self, cfg: Config, dp_rank: int | None = None) -> BatchPlan:
+        """How a step's batch splits over the data-parallel ranks; `dp_rank` None: this process's."""
+        t = cfg.training
+        if dp_rank is None:
+            dp_rank = self.dp_rank if self.world_size > 1 else 0
+        return BatchPlan(cfg.sequences(t.global_batch_size), cfg.sequences(t.micro_batch_size), self.dp_size, dp_rank)
 
 
 def init_distributed(device_choice: str = "auto", timeout_s: float | None = None,

@@ -33,12 +33,12 @@ class Record:
 
 def fixed_batch(cfg: Config, tokenizer):
     """The first micro-batch the config's data loader yields, used at every step and width."""
+    from maester.data.batch import BatchPlan
     from maester.data.loader import build_loader
 
     t = cfg.training
-    loader = build_loader(cfg.data, cfg.tokenizer, tokenizer, seed=t.seed,
-                          global_batch=cfg.sequences(t.global_batch_size),
-                          micro_batch=cfg.sequences(t.micro_batch_size))
+    batch = BatchPlan(cfg.sequences(t.global_batch_size), cfg.sequences(t.micro_batch_size))
+    loader = build_loader(cfg.data, cfg.tokenizer, tokenizer, seed=t.seed, batch=batch)
     try:
         return loader.next_step()[0]
     finally:

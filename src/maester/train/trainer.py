@@ -118,12 +118,8 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
                                         param_device, self.dp_group)
 
-        t = cfg.training
-        self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=t.seed,
-                                   global_batch=cfg.sequences(t.global_batch_size),
-                                   micro_batch=cfg.sequences(t.micro_batch_size),
-                                   dp_rank=self.dims.dp_rank if self.world_size > 1 else 0,
-                                   dp_size=self.dims.dp_size, group=self.dp_group)
+        self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
+                                   batch=self.dims.batch_plan(cfg), group=self.dp_group)
         self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
         self.step, self.tokens_seen = 0, 0
         self.schedule_start = 0  # steps done before the LR schedule began (its warmup starts at the next step)
@@ -133,8 +129,8 @@ class Trainer:
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d x tp %d; "
                  "%d accumulation step(s) of %d sequence(s) x %d tokens per rank; device %s",
                  cfg.model.name, cfg.model.flavor, f"{count_parameters(self.model):,}", self.world_size,
-                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.tp, self.loader.accumulation_steps,
-                 self.loader.micro_batch, cfg.data.seq_len, self.device)
+                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.tp, self.loader.batch.accumulation_steps,
+                 self.loader.batch.micro_batch, cfg.data.seq_len, self.device)
 
     def _resume_or_initialise(self) -> None:
         """Resume from the job's own latest checkpoint, with everything in it; else take the parts of
@@ -459,17 +455,17 @@ class Trainer:
         """This rank's batches of the sources' held-out split (key None) and of each `data.validation` source."""
         from maester.data.loader import validation_source_batches
 
-        data, micro = self.cfg.data, self.loader.micro_batch
+        data, batch = self.cfg.data, self.loader.batch
+        micro = batch.micro_batch
         sets: dict[str | None, list] = {}
         if any(s.validation_fraction for s in data.sources):
             sets[None] = self.loader.validation_batches(micro)
             if not sets[None]:  # the same on every rank: each gets an equal share of the windows
                 raise ValueError("logging.eval_interval is set, but the held-out split of the data sources has "
                                  "too few windows for every data-parallel rank (set validation_fraction on a source)")
-        dp_rank = self.dims.dp_rank if self.world_size > 1 else 0
         for source in data.validation:
-            sets[source.display_name()] = validation_source_batches(source, data, self.tokenizer, micro, dp_rank,
-                                                                    self.dims.dp_size)
+            sets[source.display_name()] = validation_source_batches(source, data, self.tokenizer, micro,
+                                                                    batch.dp_rank, batch.dp_size)
         return sets
 
     def _loss_context(self):
