@@ -157,3 +157,30 @@ def test_loaders_are_below_the_loader_choice():
         assert "maester.data.loader" not in edges[loader], loader
     assert {"maester.data.sft", "maester.data.text_stream", "maester.data.token_stream"} <= edges[
         "maester.data.loader"]
+
+
+# Sizes a newcomer can read: modules and functions, with the declarative tables and plots named.
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TRAIN_LINES = 600, 80, 40
+LONG_FUNCTIONS_ALLOWED = {("maester.tools.report", "draw_dashboard")}  # one figure, panel by panel
+
+
+def function_lengths() -> list[tuple[str, str, int]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((module_name(path), node.name, node.end_lineno - node.lineno + 1))
+    return found
+
+
+def test_no_module_over_600_lines():
+    long = {module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_no_function_over_80_lines_and_a_short_training_loop():
+    lengths = function_lengths()
+    long = [(m, f, n) for m, f, n in lengths if n > MAX_FUNCTION_LINES and (m, f) not in LONG_FUNCTIONS_ALLOWED]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+    train = [n for m, f, n in lengths if (m, f) == ("maester.train.trainer", "train")]
+    assert train and train[0] <= MAX_TRAIN_LINES, train
