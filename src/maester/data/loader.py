@@ -9,6 +9,8 @@ another number of data-parallel ranks.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
@@ -21,6 +23,30 @@ from maester.data.token_stream import TokenLoader, TokenSource, source_format
 PRETOKENIZED = ("indexed", "llmc", "nanogpt")
 
 
+class Loader(Protocol):
+    """What the trainer uses of a loader; `TextLoader`, `TokenLoader` and `SFTLoader` each provide it."""
+
+    batch: BatchPlan
+
+    def next_step(self) -> list[Batch]:
+        """This rank's `batch.accumulation_steps` micro-batches of the next step, on the host."""
+
+    def state_dict(self) -> dict:
+        """Counters only: where the next step starts (checkpointed with the model)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where `state` left off; refuses a state of other data or another split."""
+
+    def source_metrics(self) -> dict[str, dict]:
+        """Per source, over all ranks (a collective): what the run has taken so far."""
+
+    def validation_batches(self, micro_batch: int) -> list[Batch]:
+        """This rank's share of the held-out split of the training sources."""
+
+    def close(self) -> None:
+        """End the worker processes, if any."""
+
+
 def is_pretokenized(cfg: DataConfig) -> bool:
     kinds = {source_format(s) in PRETOKENIZED for s in cfg.sources}
     if len(kinds) > 1:
@@ -29,7 +55,7 @@ def is_pretokenized(cfg: DataConfig) -> bool:
 
 
 def build_loader(cfg: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, batch: BatchPlan,
-                 group=None):
+                 group=None) -> Loader:
     kw = dict(seed=seed, batch=batch)
     if cfg.mode == "sft":
         return SFTLoader(cfg, tokenizer_cfg, tokenizer, group=group, **kw)
