@@ -199,7 +199,7 @@ def test_mup_with_a_tied_head_is_one_line(tmp_path):
                      "--schedule.warmup_steps=1", "--training.device=cpu", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line]
-    assert errors == ["maester train: error: mup with model llama/demo: mup_zero_init_readout needs an untied "
+    assert errors == ["maester train: error: mup with model llama/demo: mup.zero_init_readout needs an untied "
                       "output layer (tie_embeddings is set: the head is the embedding matrix, which cannot start at "
                       "zero)"]
     assert "pydantic" not in result.stderr and "Traceback" not in result.stderr

@@ -78,7 +78,7 @@ CASES = {
         "midcorrupt.parquet: row group 3 cannot be read"),
     "μP zero readout with a tied head": (
         lambda r, t: train(r, "--mup.enabled=true", "--mup.base_width=32", "--mup.zero_init_readout=true",
-                           "--model.overrides.tie_embeddings=true"), "mup_zero_init_readout needs an untied"),
+                           "--model.overrides.tie_embeddings=true"), "mup.zero_init_readout needs an untied"),
     "K7 trainer_state.json not an object": (
         lambda r, t: ["train", str(job_copy(r, t, lambda s: (s / "trainer_state.json").write_text("[1, 2]"))),
                       "--training.steps=4", "--checkpoint.verify=size"], "no intact checkpoint"),

@@ -14,7 +14,8 @@ from pydantic import Field, model_validator
 from maester.config_base import ConfigError, Section  # noqa: F401 (ConfigError: what importers of the tree catch)
 from maester.config_job import JobConfig, SlurmConfig
 from maester.config_sources import load
-from maester.models.config import ModelConfig, MupConfig
+from maester.models.args import MupConfig
+from maester.models.config import ModelConfig
 
 
 class TokenizerConfig(Section):

@@ -157,15 +157,16 @@ def test_gemma_embedding_multiplier_uses_the_base_width():
 
 def test_mup_arguments_are_validated_by_name():
     args = build().args.model_dump()
-    with pytest.raises(ValueError, match="mup_output_alpha is set but μP is off"):
-        TransformerArgs(**{**args, "mup_output_alpha": 2.0})
-    with pytest.raises(ValueError, match="mup_base_width must be positive"):
-        TransformerArgs(**{**args, "mup_base_width": 0})
-    with pytest.raises(ValueError, match="mup_input_alpha must be positive"):
-        TransformerArgs(**{**args, "mup_base_width": 64, "mup_input_alpha": 0.0})
-    with pytest.raises(ValueError, match="mup_zero_init_readout needs an untied output layer"):
-        TransformerArgs(**{**args, "mup_base_width": 64, "mup_zero_init_readout": True, "tie_embeddings": True})
-    assert TransformerArgs(**{**args, "mup_base_width": 32}).width_mult == 2.0
+    with pytest.raises(ValueError, match="mup.enabled is false"):
+        TransformerArgs(**{**args, "mup": {"output_alpha": 2.0}})
+    with pytest.raises(ValueError, match="base_width"):
+        TransformerArgs(**{**args, "mup": {"enabled": True, "base_width": 0}})
+    with pytest.raises(ValueError, match="input_alpha"):
+        TransformerArgs(**{**args, "mup": {"enabled": True, "base_width": 64, "input_alpha": 0.0}})
+    with pytest.raises(ValueError, match="mup.zero_init_readout needs an untied output layer"):
+        TransformerArgs(**{**args, "mup": {"enabled": True, "base_width": 64, "zero_init_readout": True},
+                           "tie_embeddings": True})
+    assert TransformerArgs(**{**args, "mup": {"enabled": True, "base_width": 32}}).width_mult == 2.0
     assert TransformerArgs(**args).width_mult == 1.0 and TransformerArgs(**args).output_multiplier == 1.0
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from maester.config_base import Section
 
 
 class RopeScaling(BaseModel):
@@ -25,9 +27,31 @@ class RopeScaling(BaseModel):
     original_max_position_embeddings: int = 8192
 
 
-# The μP settings that only mean something with mup_base_width set.
-_MUP_OPTIONS = ("mup_input_alpha", "mup_output_alpha", "mup_base_head_dim", "mup_zero_init_readout",
-                "mup_zero_init_query")
+class MupConfig(Section):
+    """μP (maximal update parametrization), relative to a base model of width `base_width` (m = dim / base_width):
+    hidden-matrix init std x 1/sqrt(m), hidden-matrix Adam LR x 1/m, logits x output_alpha / m, attention scale
+    sqrt(base_head_dim) / head_dim, embeddings x input_alpha; embedding and readout LR unchanged. At m = 1 with
+    the alphas at 1 the model, its init and its LRs are exactly the standard ones."""
+
+    enabled: bool = False
+    base_width: int | None = Field(None, gt=0)
+    """The width (model dim) at which the hyperparameters were tuned."""
+    input_alpha: float = Field(1.0, gt=0)
+    output_alpha: float = Field(1.0, gt=0)
+    base_head_dim: int | None = Field(None, gt=0)
+    """The base model's head dim. None: the model's own, right when the head count grows with the width and the
+    head dim stays fixed (the scale stays 1/sqrt(head_dim)); set it when the head dim grows instead, and the
+    scale goes as 1/head_dim."""
+    zero_init_readout: bool = False
+    """Start the (untied) output layer at zero, which removes the logits' 1/sqrt(width) shrinking at init."""
+    zero_init_query: bool = False
+    """Start the query projections at zero."""
+
+    @model_validator(mode="after")
+    def _check_base(self) -> "MupConfig":
+        if self.enabled and self.base_width is None:
+            raise ValueError("mup.enabled needs mup.base_width (the model dim the hyperparameters were tuned at)")
+        return self
 
 
 class TransformerArgs(BaseModel):
@@ -74,15 +98,8 @@ class TransformerArgs(BaseModel):
     init_std: float = 0.02
     # The attention kernel, set from `model.attention` (not an override): it changes no parameter or result.
     attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
-    # μP (maximal update parametrization), copied from the run's `mup` section (see `maester.config.MupConfig`).
-    mup_base_width: int | None = None
-    """The model dim the hyperparameters were tuned at; None: μP is off and the fields below must stay at their
-    defaults."""
-    mup_input_alpha: float = 1.0  # embeddings x this
-    mup_output_alpha: float = 1.0  # logits x this / width_mult
-    mup_base_head_dim: int | None = None  # None: the model's own head dim (the attention scale is the standard one)
-    mup_zero_init_readout: bool = False  # the untied output layer starts at zero
-    mup_zero_init_query: bool = False  # the query projections start at zero
+    mup: MupConfig | None = None
+    """μP (maximal update parametrization): the run's `mup` section where it is enabled; None: off."""
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "TransformerArgs":
@@ -106,21 +123,12 @@ class TransformerArgs(BaseModel):
         return self
 
     def _check_mup(self) -> None:
-        defaults = {name: type(self).model_fields[name].default for name in _MUP_OPTIONS}
-        if self.mup_base_width is None:
-            set_without_base = [name for name, default in defaults.items() if getattr(self, name) != default]
-            if set_without_base:
-                raise ValueError(f"{set_without_base[0]} is set but μP is off (mup_base_width is None)")
+        if self.mup is None:
             return
-        if self.mup_base_width <= 0:
-            raise ValueError(f"mup_base_width must be positive, got {self.mup_base_width}")
-        for name in ("mup_input_alpha", "mup_output_alpha"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.mup_base_head_dim is not None and self.mup_base_head_dim <= 0:
-            raise ValueError(f"mup_base_head_dim must be positive or None, got {self.mup_base_head_dim}")
-        if self.mup_zero_init_readout and self.tie_embeddings:
-            raise ValueError("mup_zero_init_readout needs an untied output layer (tie_embeddings is set: the head "
+        if not self.mup.enabled:
+            raise ValueError("mup is given but mup.enabled is false: leave it None for a model without μP")
+        if self.mup.zero_init_readout and self.tie_embeddings:
+            raise ValueError("mup.zero_init_readout needs an untied output layer (tie_embeddings is set: the head "
                              "is the embedding matrix, which cannot start at zero)")
 
     @property
@@ -132,41 +140,37 @@ class TransformerArgs(BaseModel):
         return int(self.resolved_head_dim * self.rotary_fraction)
 
     @property
-    def mup(self) -> bool:
-        return self.mup_base_width is not None
-
-    @property
     def width_mult(self) -> float:
-        """μP's width multiplier m = dim / mup_base_width; 1.0 with μP off."""
-        return self.dim / self.mup_base_width if self.mup_base_width is not None else 1.0
+        """μP's width multiplier m = dim / mup.base_width; 1.0 with μP off."""
+        return self.dim / self.mup.base_width if self.mup is not None else 1.0
 
     @property
     def attention_scale(self) -> float:
         """The softmax scale: 1/sqrt(query_pre_attn_scalar or head_dim); under μP times
-        sqrt(mup_base_head_dim / head_dim), which goes as 1/head_dim when the head dim grows."""
+        sqrt(mup.base_head_dim / head_dim), which goes as 1/head_dim when the head dim grows."""
         standard = (self.query_pre_attn_scalar or self.resolved_head_dim) ** -0.5
-        base = self.mup_base_head_dim
+        base = self.mup.base_head_dim if self.mup is not None else None
         if base is None or base == self.resolved_head_dim:
             return standard
         return standard * math.sqrt(base / self.resolved_head_dim)
 
     @property
     def embedding_multiplier(self) -> float:
-        """What the embeddings are multiplied by: sqrt(dim) with `embedding_scale` (Gemma; sqrt(mup_base_width)
-        under μP, so that it does not grow with the width), times mup_input_alpha."""
-        scale = (self.mup_base_width or self.dim) ** 0.5 if self.embedding_scale else 1.0
-        return scale * self.mup_input_alpha
+        """What the embeddings are multiplied by: sqrt(dim) with `embedding_scale` (Gemma; sqrt(mup.base_width)
+        under μP, so that it does not grow with the width), times mup.input_alpha."""
+        if self.mup is None:
+            return self.dim ** 0.5 if self.embedding_scale else 1.0
+        return (self.mup.base_width ** 0.5 if self.embedding_scale else 1.0) * self.mup.input_alpha
 
     @property
     def output_multiplier(self) -> float:
-        """What the final hidden state is multiplied by before the head: μP's mup_output_alpha / width_mult."""
-        return self.mup_output_alpha / self.width_mult
+        """What the final hidden state is multiplied by before the head: μP's mup.output_alpha / width_mult."""
+        return (self.mup.output_alpha if self.mup is not None else 1.0) / self.width_mult
 
     def mup_deviations(self) -> list[str]:
         """How μP makes this model compute something other than the same architecture without μP (empty when it
         does not: m = 1 and alphas 1, or multipliers that cancel). Init-only settings do not count."""
-        plain = self.model_copy(update={name: type(self).model_fields[name].default
-                                        for name in ("mup_base_width", *_MUP_OPTIONS)})
+        plain = self.model_copy(update={"mup": None})
         out = []
         for what in ("embedding_multiplier", "output_multiplier", "attention_scale"):
             ours, theirs = getattr(self, what), getattr(plain, what)

@@ -6,7 +6,8 @@ import torch
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
-from maester.models.config import ModelConfig, MupConfig
+from maester.models.args import MupConfig
+from maester.models.config import ModelConfig
 from maester.models.registry import ARCHITECTURES
 
 
@@ -16,7 +17,7 @@ def resolve_args(cfg: ModelConfig, tokenizer_vocab: int, mup: MupConfig | None =
     args = cfg.architecture()
     if mup is not None and mup.enabled:
         try:
-            args = args.model_validate({**args.model_dump(), **mup_fields(mup)})
+            args = args.model_validate({**args.model_dump(), "mup": mup})
         except ValidationError as e:  # one line naming the sections, not pydantic's report
             raise ValueError(f"mup with model {cfg.name}/{cfg.flavor}: " + "; ".join(
                 err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
@@ -26,13 +27,6 @@ def resolve_args(cfg: ModelConfig, tokenizer_vocab: int, mup: MupConfig | None =
         raise ValueError(f"model vocab_size {args.vocab_size} (flavor {cfg.flavor!r}) is smaller than the "
                          f"tokenizer's vocabulary {tokenizer_vocab}: set model.overrides.vocab_size")
     return args
-
-
-def mup_fields(mup: MupConfig) -> dict:
-    """The architecture fields (`TransformerArgs.mup_*`) of an enabled `mup` section."""
-    return {"mup_base_width": mup.base_width, "mup_input_alpha": mup.input_alpha,
-            "mup_output_alpha": mup.output_alpha, "mup_base_head_dim": mup.base_head_dim,
-            "mup_zero_init_readout": mup.zero_init_readout, "mup_zero_init_query": mup.zero_init_query}
 
 
 def build_on_meta(cfg: ModelConfig, args: BaseModel, param_dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -1,6 +1,6 @@
-"""The model's sections of the config tree: which architecture at which size (`ModelConfig`, with width
-scaling for μP sweeps) and μP itself (`MupConfig`). Here, beside the models, so that building a model never
-imports the root config."""
+"""The model's section of the config tree: which architecture at which size (`ModelConfig`, with width scaling
+for μP sweeps). Here, beside the models, so that building a model never imports the root config; the `mup`
+section is `args.MupConfig`, which the architecture arguments hold as they are."""
 
 from __future__ import annotations
 
@@ -35,10 +35,8 @@ class ModelConfig(Section):
     def _check_architecture(self) -> "ModelConfig":
         if "attention" in self.overrides:
             raise ValueError("model.overrides.attention: the attention kernel is set by model.attention")
-        mup = sorted(k for k in self.overrides if k.startswith("mup_"))
-        if mup:
-            raise ValueError(f"model.overrides.{mup[0]}: μP is set by the mup section (mup.enabled, "
-                             f"mup.base_width, ...)")
+        if "mup" in self.overrides:
+            raise ValueError("model.overrides.mup: μP is set by the mup section (mup.enabled, mup.base_width, ...)")
         if self.width is not None:
             clash = sorted(set(self.overrides) & set(WIDTH_FIELDS))
             if clash:
@@ -107,30 +105,3 @@ def scale_width(fields: dict[str, Any], width: int) -> dict[str, Any]:
     return {**fields, "dim": width, "n_heads": n_heads, "n_kv_heads": n_heads // group,
             "ffn_hidden_dim": max(1, round(fields["ffn_hidden_dim"] * width / dim)),
             "head_dim": fields.get("head_dim")}
-
-
-class MupConfig(Section):
-    """μP (maximal update parametrization), relative to a base model of width `base_width` (m = dim / base_width):
-    hidden-matrix init std x 1/sqrt(m), hidden-matrix Adam LR x 1/m, logits x output_alpha / m, attention scale
-    sqrt(base_head_dim) / head_dim, embeddings x input_alpha; embedding and readout LR unchanged. At m = 1 with
-    the alphas at 1 the model, its init and its LRs are exactly the standard ones."""
-
-    enabled: bool = False
-    base_width: int | None = Field(None, gt=0)
-    """The width (model dim) at which the hyperparameters were tuned."""
-    input_alpha: float = Field(1.0, gt=0)
-    output_alpha: float = Field(1.0, gt=0)
-    base_head_dim: int | None = Field(None, gt=0)
-    """The base model's head dim. None: the model's own, right when the head count grows with the width and the
-    head dim stays fixed (the scale stays 1/sqrt(head_dim)); set it when the head dim grows instead, and the
-    scale goes as 1/head_dim."""
-    zero_init_readout: bool = False
-    """Start the (untied) output layer at zero, which removes the logits' 1/sqrt(width) shrinking at init."""
-    zero_init_query: bool = False
-    """Start the query projections at zero."""
-
-    @model_validator(mode="after")
-    def _check_base(self) -> "MupConfig":
-        if self.enabled and self.base_width is None:
-            raise ValueError("mup.enabled needs mup.base_width (the model dim the hyperparameters were tuned at)")
-        return self

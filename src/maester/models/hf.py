@@ -250,8 +250,7 @@ def check_convertible(name: str, args: TransformerArgs) -> None:
                                 f"(a μP model exports where these stay as without μP, e.g. at m = 1 with "
                                 f"mup.input_alpha = mup.output_alpha = 1 and mup.base_head_dim unset)")
         # μP that leaves the function unchanged (its init settings aside) is the plain architecture.
-        args = args.model_copy(update={k: TransformerArgs.model_fields[k].default
-                                       for k in TransformerArgs.model_fields if k.startswith("mup_")})
+        args = args.model_copy(update={"mup": None})
     _, fields = args_from_hf(hf_config(name, args))
     ref = next(iter(ARCHITECTURES[name].flavors.values()))
     expected = TransformerArgs(**{**ref.model_dump(), **fields, "attention": args.attention,

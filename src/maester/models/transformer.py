@@ -116,11 +116,11 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(lin.weight, std=s, a=-3 * s, b=3 * s)
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
-            if self.args.mup_zero_init_query:
+            if self.args.mup is not None and self.args.mup.zero_init_query:
                 nn.init.zeros_(attn.q_proj.weight)
         if self.output is not None:
             nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
-            if self.args.mup_zero_init_readout:
+            if self.args.mup is not None and self.args.mup.zero_init_readout:
                 nn.init.zeros_(self.output.weight)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
