@@ -387,7 +387,7 @@ class SFTLoader:
         unit = self.dp_size * micro_batch
         pad = -len(seq_lens) % unit
         if pad:
-            empty = {"input_ids": self.pad_id, "labels": -100, "position_ids": 0, "document_ids": -1}
+            empty = {"input_ids": self.pad_id, "labels": IGNORE_INDEX, "position_ids": 0, "document_ids": -1}
             for k, v in empty.items():
                 rows[k] = np.concatenate([rows[k], np.full((pad, seq), v, np.int64)])
             seq_lens += [np.zeros(0, np.int64)] * pad

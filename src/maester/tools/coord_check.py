@@ -48,7 +48,7 @@ def fixed_batch(cfg: Config, tokenizer):
 def run_width(cfg: Config, width: int, seed: int, steps: int, batch, vocab: int) -> list[Record]:
     """Train the config's model at `width` for `steps` steps on `batch`, recording activation sizes."""
     from maester.models.build import build_model
-    from maester.models.loss import cross_entropy_sum
+    from maester.models.loss import IGNORE_INDEX, cross_entropy_sum
     from maester.train.optim import build_optimizer
 
     model_cfg = ModelConfig.model_validate({**cfg.model.model_dump(), "width": width})
@@ -66,7 +66,7 @@ def run_width(cfg: Config, width: int, seed: int, steps: int, batch, vocab: int)
         handles.append(block.attention.register_forward_hook(record("attention")))
         handles.append(block.feed_forward.register_forward_hook(record("mlp")))
     labels = batch.labels
-    n_labels = (labels != -100).sum().clamp(min=1)
+    n_labels = (labels != IGNORE_INDEX).sum().clamp(min=1)
     out = []
     try:
         for step in range(1, steps + 1):
