@@ -33,6 +33,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def special_tokens(self) -> dict[str, int]:
+        """Special-token strings and their ids, so that no caller reaches into a tokenizer's library."""
 
 
 class ByteTokenizer:
@@ -75,6 +77,9 @@ class ByteTokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of one of the special tokens, else None."""
         return 256 + self.SPECIAL_TOKENS.index(token) if token in self.SPECIAL_TOKENS else None
+
+    def special_tokens(self) -> dict[str, int]:
+        return {token: 256 + i for i, token in enumerate(self.SPECIAL_TOKENS)}
 
 
 class HFTokenizer:
@@ -123,6 +128,10 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def special_tokens(self) -> dict[str, int]:
+        """The added tokens marked special (`encode` maps their text to their ids itself)."""
+        return {token.content: tid for tid, token in self._tok.get_added_tokens_decoder().items() if token.special}
 
 
 class SentencePieceTokenizer:
@@ -180,6 +189,10 @@ class SentencePieceTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(list(ids))
 
+    def special_tokens(self) -> dict[str, int]:
+        """The control symbols (never produced from text)."""
+        return {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size()) if self._sp.is_control(i)}
+
 
 class TiktokenTokenizer:
     """A tiktoken BPE built offline from a local rank file (`<base64 token> <rank>` per line).
@@ -211,7 +224,7 @@ class TiktokenTokenizer:
         if eos_token is None:
             raise ValueError(f"tiktoken rank file {path}: no EOS token: set tokenizer.eos_token (and list it "
                              "in tokenizer.special_tokens)")
-        self.special_tokens = special_tokens
+        self._special_tokens = special_tokens
         self._enc = tiktoken.Encoding(name=f"maester:{path.name}", pat_str=pattern or CL100K_PATTERN,
                                       mergeable_ranks=ranks, special_tokens=special_tokens)
         self.vocab_size = self._enc.n_vocab
@@ -220,13 +233,13 @@ class TiktokenTokenizer:
         self.pad_id = self._token_id(pad_token) if pad_token else None
 
     def token_to_id(self, token: str) -> int | None:
-        return self.special_tokens.get(token)
+        return self._special_tokens.get(token)
 
     def _token_id(self, token: str) -> int:
         tid = self.token_to_id(token)
         if tid is None:
             raise ValueError(f"tokenizer {self.path}: special token {token!r} is not in the vocabulary "
-                             f"(tokenizer.special_tokens: {sorted(self.special_tokens)})")
+                             f"(tokenizer.special_tokens: {sorted(self._special_tokens)})")
         return tid
 
     def encode(self, text: str) -> list[int]:
@@ -237,6 +250,9 @@ class TiktokenTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(list(ids), errors="replace")
+
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._special_tokens)
 
 
 def _read_rank_file(path: Path) -> dict[bytes, int]:
@@ -341,6 +357,10 @@ class ControlTokens:
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids)
+
+    def special_tokens(self) -> dict[str, int]:
+        """The inner tokenizer's (markers are not tokens of their own)."""
+        return self.inner.special_tokens()
 
 
 def _special_tokens_from_tokenizer_config(path: Path) -> dict[str, str]:

@@ -190,9 +190,8 @@ def generation_config(cfg: Config, tokenizer) -> dict[str, Any]:
     eos: list[int] = [tokenizer.eos_id]
     if cfg.data.mode == "sft" or cfg.data.sft.template == "jinja":
         from maester.data.chat import ChatEncoder
-        from maester.tools.generate import end_of_turn_ids
 
-        eos += sorted(end_of_turn_ids(ChatEncoder(tokenizer, cfg.data.sft, cfg.tokenizer.path)) - {tokenizer.eos_id})
+        eos += sorted(ChatEncoder(tokenizer, cfg.data.sft, cfg.tokenizer.path).stop_ids() - {tokenizer.eos_id})
     out: dict[str, Any] = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
                            "pad_token_id": tokenizer.pad_id}
     return {k: v for k, v in out.items() if v is not None}

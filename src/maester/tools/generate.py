@@ -57,22 +57,6 @@ def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Toke
     return model.eval(), tokenizer, cfg
 
 
-def end_of_turn_ids(encoder) -> set[int]:
-    """The special tokens a chat template puts after an assistant's answer (its end of turn), found by encoding a
-    probe conversation. `ChatEncoder.prompt` finds them for the built-in templates and maester's own tokenizers;
-    for an HF tokenizer's Jinja template it knows only EOS, so its special (added) tokens are looked up here."""
-    from maester.data.tokenizers import ControlTokens, HFTokenizer
-
-    messages = [{"role": "user", "content": "x"}]
-    prompt, stop = encoder.prompt(messages)
-    answered = encoder.encode([*messages, {"role": encoder.sft.assistant_role, "content": "x"}]).tokens.tolist()
-    base = encoder.tokenizer.inner if isinstance(encoder.tokenizer, ControlTokens) else encoder.tokenizer
-    if isinstance(base, HFTokenizer):
-        specials = {i for i, token in base._tok.get_added_tokens_decoder().items() if token.special}
-        stop = stop | {t for t in answered[len(prompt):] if t in specials}
-    return stop
-
-
 # ---------------------------------------------------------------- prompts
 
 
@@ -159,7 +143,7 @@ class Completer:
             from maester.data.chat import ChatEncoder
 
             encoder = ChatEncoder(self.tokenizer, self.cfg.data.sft, self.cfg.tokenizer.path)
-            self._encoder = encoder, end_of_turn_ids(encoder)
+            self._encoder = encoder, encoder.stop_ids()
         return self._encoder
 
 
