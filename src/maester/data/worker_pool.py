@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import multiprocessing
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 
@@ -24,14 +26,14 @@ def ignore_stop_signals(_worker_id: int | None = None) -> None:
 
 def _start(factory: Callable, args: tuple) -> None:
     """A pool worker ignores SIGINT and SIGTERM: the main process reports a Ctrl-C or a SIGTERM once and shuts the
-    pool down, and a worker is never killed while it may hold a lock of the pool's queues. It starts with SIGINT
-    blocked (see `map_in_order`), so a Ctrl-C while it starts up cannot break its imports."""
+    pool down, and a worker is never killed while it may hold a lock of the pool's queues. It starts with both
+    blocked (`_stops_held`), so a Ctrl-C while it starts up cannot break its imports."""
     import signal
 
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     _worker = factory(*args)
 
 
@@ -76,11 +78,33 @@ def map_in_order(factory: Callable, args: tuple, chunks: Iterable, workers: int)
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _submit(pool: ProcessPoolExecutor, chunk) -> Future:
-    """Workers (and the forkserver) start inside `submit`: they inherit a blocked SIGINT until `_start` ignores it,
-    and a Ctrl-C here waits the few microseconds until `submit` returns, then interrupts as usual."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
+    """Workers (and the forkserver) start inside `submit`. A Ctrl-C or SIGTERM in the middle of it would leave a
+    worker the pool does not know yet, which then fails to read the pool's queues once they are gone; so a stop
+    that comes meanwhile is held and handled when `submit` returns."""
+    with _stops_held():
         return pool.submit(_run, chunk)
+
+
+@contextlib.contextmanager
+def _stops_held():
+    """Hold SIGINT and SIGTERM: the processes started meanwhile inherit them blocked (until `_start` ignores
+    them), and in this process the first one that came is handled on the way out. Python runs signal handlers in
+    the main thread whatever thread the signal reached, so the handlers are swapped too, not only the mask."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    handlers = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in _STOP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if held:
+            signal.raise_signal(held[0])
