@@ -47,6 +47,13 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def as_a_shell_starts_it() -> None:
+    """A shell starts a command with SIGINT at its default and no signal blocked. A test process may have either
+    otherwise (left by a library or the test runner), and the command would inherit it."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -75,7 +82,9 @@ def test_a_stopped_tokenize_leaves_no_temporary(tmp_path, sig, group, children):
     proc = subprocess.Popen([sys.executable, "-m", "maester", "data", "tokenize", str(tmp_path / "d.jsonl"),
                              "--output-prefix", str(tmp_path / "out"), "--tokenizer", "byte", "--workers", "2"],
                             cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_a_shell_starts_it)
+    parent = (f"this process: SIGINT {signal.getsignal(signal.SIGINT)}, "
+              f"blocked {signal.pthread_sigmask(signal.SIG_BLOCK, [])}")
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".out*.tmp")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
@@ -86,6 +95,6 @@ def test_a_stopped_tokenize_leaves_no_temporary(tmp_path, sig, group, children):
     assert proc.poll() is None, "tokenize ended before the signal: the test proves nothing"
     os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 130, (parent, err[-2000:])
     assert err.count("Traceback") == 0, err[-3000:]
     assert list(tmp_path.glob(".out*")) == [] and not (tmp_path / "out_text_document.bin").exists()
