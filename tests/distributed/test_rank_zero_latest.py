@@ -15,8 +15,7 @@ def run(tmp_path) -> dict[int, dict]:
                            str(REPO / "tests" / "distributed" / "rank_zero_latest.py"), str(tmp_path)],
                           env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {line["rank"]: line for line in lines}
+    return {rank: json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)}
 
 
 def view(tmp_path, rank: int, steps: list[int], latest: int | None):
