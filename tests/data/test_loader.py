@@ -16,7 +16,8 @@ import torch
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
 from maester.data.batch import BatchPlan, documents_from_eos
 from maester.data.loader import build_loader
-from maester.data.text_files import InvalidDocument, TextSource, resolve_files
+from maester.data.records import InvalidDocument
+from maester.data.text_files import TextSource, resolve_files
 from maester.data.text_stream import TextLoader
 from maester.data.tokenizers import ByteTokenizer
 
@@ -301,7 +302,7 @@ def test_resolve_files_directory_and_glob_sorted(tmp_path):
 
 
 def test_missing_sources_are_errors_naming_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no_such_dir.*does not exist"):
+    with pytest.raises(FileNotFoundError, match="no_such_dir: no such file or directory"):
         loader(data_cfg(tmp_path / "no_such_dir"))
     with pytest.raises(FileNotFoundError, match=r"nothing_here_\*\.parquet.*matches no"):
         loader(data_cfg(tmp_path / "nothing_here_*.parquet"))
@@ -349,9 +350,9 @@ def test_unreadable_parquet_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("line,problem", [
-    ("{not json", "not valid JSON"),
+    ("{not json", "malformed JSON"),
     ('{"body": "x"}', "no field 'text'"),
-    ('["text"]', "no field 'text'"),
+    ('["text"]', "a JSON list, not an object"),
     ('{"text": null}', "holds null, not text"),
     ('{"text": 3}', "holds int, not text"),
     ('{"text": ""}', "empty document"),

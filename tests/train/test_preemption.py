@@ -16,7 +16,6 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
-import torch
 
 from maester.cli import main
 from maester.config import load_config

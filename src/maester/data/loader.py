@@ -16,7 +16,8 @@ import torch
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
 from maester.data.batch import Batch, BatchPlan, make_batch
 from maester.data.sft import SFTLoader
-from maester.data.text_files import InvalidDocument, TextSource
+from maester.data.records import InvalidDocument
+from maester.data.text_files import TextSource
 from maester.data.text_stream import TextLoader
 from maester.data.token_stream import TokenLoader, TokenSource, source_format
 

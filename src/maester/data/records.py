@@ -1,14 +1,19 @@
-"""Records streamed from JSONL (plain, `.gz`, `.zst`) and Parquet files, each bad one named by file and position.
+"""The one reader of JSONL (plain, `.gz`, `.zst`) and Parquet records, each bad one named by file and position.
 
-Inputs are files, directories (every data file under them) or globs, expanded in sorted order; the format comes
-from the suffix. JSONL is read as bytes, one line at a time, and decoded per line, so that invalid UTF-8 is one bad
-record at its `file:line` (lines count from 1), not a failure of the whole file. Parquet rows are named
-`file: row N` (rows count from 0).
+`maester data` streams records with `RecordReader`; pretraining (`text_files.TextSource`) reads the same files in
+pieces, through `JsonlLines`, `parquet_row_groups` and `read_row_group`, and makes each record a document with
+`document_of_line` and `check_document`, so that both see the same documents and the same errors.
 
-A bad record raises `InvalidRecord`, a ValueError whose `reason` says what kind of bad it is. A reader made with
-`skip_invalid=True` skips such records instead and counts them in `skipped`, by reason: nothing is dropped
-without being counted. A file that cannot be read at all (a corrupt Parquet file, a truncated `.gz`) is always an
-error, `UnreadableFile`.
+Inputs are files, directories (every data file under them, hidden files left out) or globs, expanded in sorted
+order; the format comes from the suffix, in any case. JSONL is read as bytes, one line at a time, and decoded per
+line, so that invalid UTF-8 is one bad record at its `file:line` (lines count from 1), not a failure of the whole
+file; a UTF-8 byte order mark before the first line is dropped. Parquet rows are named `file: row N` (rows count
+from 0).
+
+Every error of reading is an `InvalidDocument` (a ValueError). A bad record raises `InvalidRecord`, whose `reason`
+says what kind of bad it is. A reader made with `skip_invalid=True` skips such records instead and counts them in
+`skipped`, by reason: nothing is dropped without being counted. A file that cannot be read at all (a corrupt Parquet
+file, a truncated `.gz`) is always an error, `UnreadableFile`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import codecs
 import glob
 import gzip
 import io
+import itertools
 import json
 import os
 import zlib
@@ -25,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from maester.data.text_files import InvalidDocument, check_document
+import numpy as np
 
 # Suffix -> format, longest first so that `.jsonl.gz` is not taken for `.gz`.
 SUFFIX_FORMATS = (
@@ -34,6 +40,9 @@ SUFFIX_FORMATS = (
     (".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"),
 )
 SUFFIXES_HELP = ".jsonl, .jsonl.gz, .jsonl.zst, .parquet"
+
+# How to read another field or column, said when the one asked for is missing.
+TEXT_KEY_HINT = "pass --text-key to read another field or column"
 
 # Reasons a record is invalid, as counted in `RecordReader.skipped`.
 BLANK_LINE = "blank line"
@@ -49,6 +58,11 @@ _READ_BYTES = 1 << 20
 _PARQUET_BATCH_ROWS = 8192
 
 
+class InvalidDocument(ValueError):
+    """Data that cannot be trained on, named by file and line or row: one bad record (`InvalidRecord`) or a whole
+    file that cannot be read (`UnreadableFile`)."""
+
+
 class InvalidRecord(InvalidDocument):
     """One record that cannot be used; the message names its file and line or row, `reason` its kind."""
 
@@ -60,7 +74,7 @@ class InvalidRecord(InvalidDocument):
         return type(self), (str(self), self.reason)
 
 
-class UnreadableFile(ValueError):
+class UnreadableFile(InvalidDocument):
     """A whole file that cannot be read: not Parquet, corrupt, truncated, or without the column asked for."""
 
 
@@ -94,9 +108,18 @@ def _format_or_none(path: Path) -> str | None:
     return next((fmt for suffix, fmt in SUFFIX_FORMATS if name.endswith(suffix)), None)
 
 
-def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
+def file_format(path: Path, given: str = "auto") -> str:
+    """The format of a file: told by its name (`auto`), or as `given` (`jsonl`, `parquet`); a file given as JSONL
+    whose name ends in `.gz` or `.zst` is still decompressed."""
+    if given == "auto":
+        return input_format(path)
+    found = _format_or_none(path)
+    return found if given == "jsonl" and found and found != "parquet" else given
+
+
+def resolve_inputs(inputs: Sequence[str | os.PathLike], fmt: str = "auto") -> list[Path]:
     """The files of each input, in the order given: a file, every data file under a directory (sorted, hidden
-    files left out), or the matches of a glob (sorted)."""
+    files left out), or the matches of a glob (sorted). `fmt`: the format of every file, when not `auto`."""
     if not inputs:
         raise ValueError("no input files given")
     files: list[Path] = []
@@ -117,7 +140,7 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
         else:
             raise FileNotFoundError(f"{text}: no such file or directory")
         for f in found:
-            input_format(f)
+            file_format(f, fmt)
         files.extend(found)
     return files
 
@@ -208,6 +231,49 @@ def parse_line(raw: bytes, path: Path, lineno: int) -> dict:
     return record
 
 
+def document_of_line(raw: bytes, path: Path, lineno: int, key: str, hint: str = TEXT_KEY_HINT) -> str:
+    """The document text of one JSONL line, field `key`; InvalidRecord if the line or the field is bad."""
+    where = f"{path}:{lineno}"
+    text = text_of(parse_line(raw, path, lineno), where, key, messages_key="messages", hint=hint)
+    if b"\\ud" in raw or b"\\uD" in raw:
+        _check_encodable(text, where, f"field {key!r}")
+    return text
+
+
+class JsonlLines:
+    """The lines of one JSONL file by number, for reading it in pieces. A plain file's line offsets are found once
+    (one pass over its bytes) and a piece is one read; a compressed file is counted once and read from its start
+    up to the piece, as a compressed stream cannot be entered in the middle."""
+
+    def __init__(self, path: Path, fmt: str):
+        self.path, self.fmt = path, fmt
+        self.starts: np.ndarray | None = None  # plain: byte offset of each line, plus the end of the file
+        if fmt == "jsonl":
+            data = np.fromfile(path, dtype=np.uint8)
+            ends = np.flatnonzero(data == ord("\n")) + 1
+            if len(data) and (not len(ends) or ends[-1] != len(data)):
+                ends = np.append(ends, len(data))  # a last line without a newline
+            self.starts = np.concatenate([[0], ends]).astype(np.int64)
+            self.count = len(ends)
+        else:
+            self.count = sum(1 for _ in _jsonl_lines(path, fmt))
+
+    def read(self, first: int, count: int) -> list[tuple[int, bytes]]:
+        """(1-based line number, raw line) of the `count` lines after the first `first`."""
+        if self.starts is None:
+            lines = _jsonl_lines(self.path, self.fmt)
+            try:
+                return list(itertools.islice(lines, first, first + count))
+            finally:
+                lines.close()
+        starts = self.starts[first:first + count + 1] - self.starts[first]
+        with open(self.path, "rb") as f:
+            f.seek(int(self.starts[first]))
+            blob = f.read(int(starts[-1]))
+        # each line with its newline, as a compressed file's are read
+        return [(first + k + 1, blob[a:b]) for k, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist()))]
+
+
 # --- Parquet ----------------------------------------------------------------------------------------------------
 
 def _open_parquet(path: Path):
@@ -222,6 +288,38 @@ def _open_parquet(path: Path):
 
 def parquet_columns(path: Path) -> list[str]:
     return _open_parquet(path).schema_arrow.names
+
+
+def require_column(path: Path, names: list[str], wanted: list[str], hint: str) -> None:
+    """UnreadableFile unless the columns `names` of a Parquet file hold one of `wanted`."""
+    if not any(name in names for name in wanted):
+        raise UnreadableFile(f"{path}: no column {' or '.join(map(repr, wanted))} (columns: {', '.join(names)}); "
+                             f"{hint}")
+
+
+def parquet_row_groups(path: Path, column: str, hint: str) -> list[tuple[int, int]]:
+    """(first row, rows) of each row group of a Parquet file, which must have `column`."""
+    pf = _open_parquet(path)
+    require_column(path, pf.schema_arrow.names, [column], hint)
+    meta = pf.metadata
+    groups, first = [], 0
+    for g in range(meta.num_row_groups):
+        rows = meta.row_group(g).num_rows
+        groups.append((first, rows))
+        first += rows
+    return groups
+
+
+def read_row_group(path: Path, group: int, column: str) -> list:
+    """The values of `column` in one row group of a Parquet file."""
+    import pyarrow as pa
+
+    pf = _open_parquet(path)
+    try:
+        table = pf.read_row_group(group, columns=[column])
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise UnreadableFile(f"{path}: row group {group} cannot be read: {e}") from e
+    return table.column(0).to_pylist()
 
 
 def _parquet_batches(path: Path, columns: list[str] | None) -> Iterator[tuple[int, object]]:
@@ -245,29 +343,36 @@ def _parquet_batches(path: Path, columns: list[str] | None) -> Iterator[tuple[in
 # --- fields -------------------------------------------------------------------------------------------------------
 
 def _missing_field(record: dict, where: str, key: str, other_key: str | None, mix_up: str,
-                   option: str) -> InvalidRecord:
+                   hint: str) -> InvalidRecord:
     fields = ", ".join(list(record)[:8]) or "none"
-    hint = (f"; it holds {other_key!r}: {mix_up}" if other_key and other_key in record
-            else f"; pass {option} to read another field")
-    return InvalidRecord(f"{where}: record has no field {key!r} (fields: {fields}){hint}", MISSING_FIELD)
+    hint = f"it holds {other_key!r}: {mix_up}" if other_key and other_key in record else hint
+    return InvalidRecord(f"{where}: record has no field {key!r} (fields: {fields}); {hint}", MISSING_FIELD)
 
 
-def text_of(record: dict, where: str, key: str, messages_key: str | None = None) -> str:
+def check_document(value, where: str, field: str) -> str:
+    """The text of one record's field `field`, or InvalidRecord: not text, not valid UTF-8, or empty.
+
+    `where` locates the record (`file:line` or `file: row N`).
+    """
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRecord(f"{where}: field {field!r} is not valid UTF-8 (byte {e.start})", INVALID_UTF8) from None
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise InvalidRecord(f"{where}: field {field!r} holds {kind}, not text", NOT_TEXT)
+    if not value:
+        raise InvalidRecord(f"{where}: field {field!r} is an empty document", EMPTY_DOCUMENT)
+    return value
+
+
+def text_of(record: dict, where: str, key: str, messages_key: str | None = None, hint: str = TEXT_KEY_HINT) -> str:
     """The document text of a record: a non-empty string in field `key`, else InvalidRecord."""
     if key not in record:
         raise _missing_field(record, where, key, messages_key, "a conversation where a text record was expected",
-                             "--text-key")
-    value = record[key]
-    try:
-        return check_document(value, where, key)
-    except InvalidDocument as e:
-        if not isinstance(value, (str, bytes)):
-            reason = NOT_TEXT
-        elif not value:
-            reason = EMPTY_DOCUMENT
-        else:
-            reason = INVALID_UTF8
-        raise InvalidRecord(str(e), reason) from None
+                             hint)
+    return check_document(record[key], where, key)
 
 
 def _check_encodable(text: str, where: str, what: str) -> None:
@@ -284,7 +389,7 @@ def messages_of(record: dict, where: str, key: str, text_key: str | None = None)
     string of such a list is accepted too, as `convert` writes it to Parquet), else InvalidRecord."""
     if key not in record:
         raise _missing_field(record, where, key, text_key, "a text record where a conversation was expected",
-                             "--messages-key")
+                             "pass --messages-key to read another field")
     value = record[key]
     if isinstance(value, str):
         try:
@@ -309,11 +414,14 @@ class RecordReader:
     """Streams the documents (`documents`) or whole records (`records`) of a list of inputs.
 
     `skip_invalid`: skip bad records and count them in `skipped` by reason, instead of raising InvalidRecord.
+    `fmt`: the format of every file, when not told by its name; `hint`: how to read another field or column.
     """
 
-    def __init__(self, inputs: Sequence[str | os.PathLike], text_key: str = "text", skip_invalid: bool = False):
-        self.files = resolve_inputs(inputs)
-        self.text_key = text_key
+    def __init__(self, inputs: Sequence[str | os.PathLike], text_key: str = "text", skip_invalid: bool = False,
+                 fmt: str = "auto", hint: str = TEXT_KEY_HINT):
+        self.files = resolve_inputs(inputs, fmt)
+        self.formats = [file_format(path, fmt) for path in self.files]
+        self.text_key, self.hint = text_key, hint
         self.skip_invalid = skip_invalid
         self.skipped: Counter[str] = Counter()
         self.kind: str | None = None  # set by `records`: "text" or "messages"
@@ -322,8 +430,7 @@ class RecordReader:
         """How many records the inputs hold, for a progress bar's ETA: Parquet row counts from the footers, lines of
         plain JSONL (one fast pass over the bytes); None when a compressed JSONL file would need decompressing."""
         total = 0
-        for path in self.files:
-            fmt = input_format(path)
+        for path, fmt in zip(self.files, self.formats):
             if fmt == "parquet":
                 total += _open_parquet(path).metadata.num_rows
             elif fmt == "jsonl":
@@ -340,23 +447,19 @@ class RecordReader:
 
     def documents(self) -> Iterator[Document]:
         """The text of every valid record, in file order."""
-        for path in self.files:
-            if input_format(path) == "parquet":
+        for path, fmt in zip(self.files, self.formats):
+            if fmt == "parquet":
                 yield from self._parquet_documents(path)
             else:
-                yield from self._jsonl_documents(path, input_format(path))
+                yield from self._jsonl_documents(path, fmt)
 
     def texts(self) -> Iterator[str]:
         return (doc.text for doc in self.documents())
 
     def _jsonl_documents(self, path: Path, fmt: str) -> Iterator[Document]:
-        key = self.text_key
         for lineno, raw in _jsonl_lines(path, fmt):
             try:
-                where = f"{path}:{lineno}"
-                text = text_of(parse_line(raw, path, lineno), where, key, messages_key="messages")
-                if b"\\ud" in raw or b"\\uD" in raw:
-                    _check_encodable(text, where, f"field {key!r}")
+                text = document_of_line(raw, path, lineno, self.text_key, self.hint)
             except InvalidRecord as e:
                 self._invalid(e)
                 continue
@@ -364,14 +467,11 @@ class RecordReader:
 
     def _parquet_documents(self, path: Path) -> Iterator[Document]:
         key = self.text_key
-        names = parquet_columns(path)
-        if key not in names:
-            raise UnreadableFile(f"{path}: no column {key!r} (columns: {', '.join(names)}); pass --text-key to "
-                                 f"read another column")
+        require_column(path, parquet_columns(path), [key], self.hint)
         for first, batch in _parquet_batches(path, [key]):
             for i, value in enumerate(batch.column(0).to_pylist()):
                 try:
-                    text = text_of({key: value}, _where(path, None, first + i), key)
+                    text = check_document(value, _where(path, None, first + i), key)
                 except InvalidRecord as e:
                     self._invalid(e)
                     continue
@@ -385,8 +485,7 @@ class RecordReader:
         conversation's messages are checked and given back as a list, also when stored as a JSON string.
         """
         self.kind = None if messages_key else "text"
-        for path in self.files:
-            fmt = input_format(path)
+        for path, fmt in zip(self.files, self.formats):
             rows = self._parquet_rows(path, messages_key) if fmt == "parquet" else self._jsonl_rows(path, fmt)
             for where, record in rows:
                 try:
@@ -395,7 +494,7 @@ class RecordReader:
                     if kind == "messages":
                         record[messages_key] = messages_of(record, where, messages_key, self.text_key)
                     else:
-                        record[self.text_key] = text_of(record, where, self.text_key, messages_key)
+                        record[self.text_key] = text_of(record, where, self.text_key, messages_key, self.hint)
                 except InvalidRecord as e:
                     self._invalid(e)
                     continue
@@ -414,11 +513,8 @@ class RecordReader:
             yield f"{path}:{lineno}", record
 
     def _parquet_rows(self, path: Path, messages_key: str | None) -> Iterator[tuple[str, dict]]:
-        names = parquet_columns(path)
-        if self.text_key not in names and (messages_key is None or messages_key not in names):
-            wanted = repr(self.text_key) + (f" or {messages_key!r}" if messages_key else "")
-            raise UnreadableFile(f"{path}: no column {wanted} (columns: {', '.join(names)}); pass --text-key to "
-                                 f"read another column")
+        require_column(path, parquet_columns(path), [self.text_key] + ([messages_key] if messages_key else []),
+                       self.hint)
         for first, batch in _parquet_batches(path, None):
             for i, row in enumerate(batch.to_pylist()):
                 yield _where(path, None, first + i), row

@@ -82,8 +82,9 @@ def _held_out(name: str, n: int, fraction: float) -> np.ndarray:
     return mix64(np.arange(n, dtype=np.uint64) ^ key) < np.uint64(int(fraction * 2.0 ** 64))
 
 
-def is_packed_file(path: Path) -> bool:
-    if path.suffix != ".parquet":
+def is_packed_file(path: Path, fmt: str) -> bool:
+    """Whether a file holds rows packed by `maester data pack`; `fmt`: its format, as `records.file_format` tells."""
+    if fmt != "parquet":
         return False
     import pyarrow.parquet as pq
 
@@ -144,13 +145,13 @@ def load_source(cfg: DataSourceConfig, data: DataConfig, tokenizer_cfg: Tokenize
     """Read, encode (in `data.num_workers` processes), fit to `seq_len` and split one source. Bad records raise
     (naming file and line or row) unless `data.skip_invalid`, which counts them instead."""
     from maester.data.packing import fit_length
-    from maester.data.records import InvalidRecord, RecordReader
-    from maester.data.text_files import resolve_files
+    from maester.data.records import InvalidRecord, RecordReader, file_format
+    from maester.data.text_files import TEXT_COLUMN_HINT, resolve_files
     from maester.data.worker_pool import chunked, map_in_order
 
     files = resolve_files(cfg)
     source = SFTSource(cfg, files)
-    packed = [f for f in files if is_packed_file(f)]
+    packed = [f for f in files if is_packed_file(f, file_format(f, cfg.format))]
     if packed:
         if len(packed) != len(files):
             raise ValueError(f"data source {cfg.path!r} mixes packed rows ({packed[0]}) with conversations "
@@ -161,7 +162,8 @@ def load_source(cfg: DataSourceConfig, data: DataConfig, tokenizer_cfg: Tokenize
         source.counts["rows"] = len(rows["input_ids"])
         return source
 
-    reader = RecordReader(files, text_key=cfg.text_column, skip_invalid=data.skip_invalid)
+    reader = RecordReader(files, text_key=cfg.text_column, skip_invalid=data.skip_invalid, fmt=cfg.format,
+                          hint=TEXT_COLUMN_HINT)
     records = reader.records(None if data.sft.template == "markers" else data.sft.messages_key)
     examples = []
     args = (tokenizer_cfg, data.sft, cfg.text_column, data.skip_invalid)

@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from maester.config import DataConfig, TokenizerConfig
 from maester.data.batch import BatchPlan, make_batch
 from maester.data.permutation import Permutation, mix64, seed_key
-from maester.data.text_files import InvalidDocument, TextSource
+from maester.data.records import InvalidDocument
+from maester.data.text_files import TextSource
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,9 @@ import signal
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
 
 from maester import exit_codes
 from maester.files import write_atomically
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger("maester")
 
