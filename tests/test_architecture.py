@@ -153,9 +153,10 @@ def test_the_layer_check_sees_an_upward_import():
 
 def test_loaders_are_below_the_loader_choice():
     edges = graph()
-    for loader in ("maester.data.sft", "maester.data.text_stream", "maester.data.token_stream"):
+    for loader in ("maester.data.sft_loader", "maester.data.text_loader", "maester.data.token_loader",
+                   "maester.data.loader_base"):
         assert "maester.data.loader" not in edges[loader], loader
-    assert {"maester.data.sft", "maester.data.text_stream", "maester.data.token_stream"} <= edges[
+    assert {"maester.data.sft_loader", "maester.data.text_loader", "maester.data.token_loader"} <= edges[
         "maester.data.loader"]
 
 

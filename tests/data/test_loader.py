@@ -18,7 +18,7 @@ from maester.data.batch import BatchPlan, documents_from_eos
 from maester.data.loader import build_loader
 from maester.data.records import InvalidDocument
 from maester.data.text_files import TextSource, resolve_files
-from maester.data.text_stream import TextLoader
+from maester.data.text_loader import TextLoader
 from maester.data.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from maester.config import DataConfig, SFTConfig, TokenizerConfig
 from maester.data.batch import IGNORE_INDEX, BatchPlan
 from maester.data.chat import ChatEncoder
-from maester.data.sft import SFTLoader
+from maester.data.sft_loader import SFTLoader
 from maester.data.tokenizers import ByteTokenizer
 
 WORDS = "the cat sat on a mat while every dog ran far away from home and back again".split()

@@ -12,7 +12,7 @@ from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
 from maester.data.indexed import IndexedDatasetWriter, write_llmc_shard
 from maester.data.loader import build_loader
 from maester.data.tokenizers import ByteTokenizer
-from maester.data import token_stream
+from maester.data import token_loader
 from maester.data.batch import BatchPlan
 from tests.data.test_sft import TOKENIZER, data_config, loader, write_conversations
 from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides
@@ -56,7 +56,7 @@ def test_bad_id_is_refused_at_open_naming_file_and_position(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["indexed", "nanogpt"])
 def test_large_files_are_checked_window_by_window(tmp_path, kind, monkeypatch):
-    monkeypatch.setattr(token_stream, "OPEN_SCAN_TOKENS", 100)  # as if the file were too big to scan at open
+    monkeypatch.setattr(token_loader, "OPEN_SCAN_TOKENS", 100)  # as if the file were too big to scan at open
     path = write(kind, tmp_path / "data", stream(bad_at=3000))
     ld = make(path, kind)
     with pytest.raises(ValueError, match=rf"token id {BAD} at token 3,000 is outside"):

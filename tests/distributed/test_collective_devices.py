@@ -70,7 +70,7 @@ def test_sft_collectives_reach_a_backend_for_their_device(tmp_path):
         logging__eval_interval=2, checkpoint__interval=2, schedule__name="constant", schedule__warmup_steps=0))
     assert unserved(records) == []
     callers = {r["caller"] for r in records}
-    assert {"sft.py:_trained_everywhere", "trainer.py:evaluate"} <= callers, callers
+    assert {"sft_loader.py:_trained_everywhere", "trainer.py:evaluate"} <= callers, callers
 
 
 def test_ddp_collectives_and_one_gradient_all_reduce_per_step(tmp_path):

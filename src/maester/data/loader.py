@@ -1,8 +1,8 @@
 """From data sources to batches: the choice of loader for a config (the Batch they yield is in `data/batch.py`).
 
-Raw text (Parquet, JSONL) is tokenized on the fly by `text_stream.TextLoader`; conversations are encoded and
-packed by `sft.SFTLoader`; pre-tokenized corpora (Megatron /
-GPT-NeoX indexed datasets, llm.c shards, nanoGPT bins) are read by `token_stream.TokenLoader`. Both order their
+Raw text (Parquet, JSONL) is tokenized on the fly by `text_loader.TextLoader`; conversations are encoded and
+packed by `sft_loader.SFTLoader`; pre-tokenized corpora (Megatron /
+GPT-NeoX indexed datasets, llm.c shards, nanoGPT bins) are read by `token_loader.TokenLoader`. All order their
 samples by a pure function of (seed, epoch, position), keep only counters as state, and resume exactly, also on
 another number of data-parallel ranks.
 """
@@ -15,11 +15,11 @@ import torch
 
 from maester.config import DataConfig, DataSourceConfig, TokenizerConfig
 from maester.data.batch import Batch, BatchPlan, make_batch
-from maester.data.sft import SFTLoader
+from maester.data.sft_loader import SFTLoader
 from maester.data.records import InvalidDocument
 from maester.data.text_files import TextSource
-from maester.data.text_stream import TextLoader
-from maester.data.token_stream import TokenLoader, TokenSource, source_format
+from maester.data.text_loader import TextLoader
+from maester.data.token_loader import TokenLoader, TokenSource, source_format
 
 PRETOKENIZED = ("indexed", "llmc", "nanogpt")
 

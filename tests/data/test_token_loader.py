@@ -14,7 +14,7 @@ from maester.data.batch import BatchPlan
 from maester.data.indexed import IndexedDatasetWriter, write_llmc_shard
 from maester.data.loader import build_loader
 from maester.data.permutation import Permutation
-from maester.data.token_stream import TokenLoader, source_format
+from maester.data.token_loader import TokenLoader, source_format
 from maester.data.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()

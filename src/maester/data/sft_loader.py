@@ -21,6 +21,7 @@ import torch
 
 from maester.config import DataConfig, DataSourceConfig, SFTConfig, TokenizerConfig
 from maester.data.batch import IGNORE_INDEX, Batch, BatchPlan
+from maester.data.loader_base import LoaderBase
 from maester.data.permutation import Permutation, mix64, mix_key, seed_key
 
 log = logging.getLogger("maester")
@@ -211,14 +212,15 @@ class EpochPlan:
         return len(self.order)
 
 
-class SFTLoader:
+class SFTLoader(LoaderBase):
     """Each optimizer step's micro-batches of packed rows for one data-parallel rank."""
+
+    KIND, WHAT, DATA = "sft", "an SFT", "SFT data (sources, template, tokenizer)"
 
     def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, batch: BatchPlan,
                  group=None):
-        self.data, self.tokenizer, self.seed, self.group, self.batch = data, tokenizer, seed, group, batch
-        self.global_batch, self.micro_batch = batch.global_batch, batch.micro_batch
-        self.dp_rank, self.dp_size = batch.dp_rank, batch.dp_size
+        super().__init__(batch, seed)
+        self.data, self.tokenizer, self.group = data, tokenizer, group
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         self.sources = [load_source(cfg, data, tokenizer_cfg, tokenizer.vocab_size) for cfg in data.sources]
         self._fingerprint = self._compute_fingerprint(tokenizer_cfg)
@@ -295,8 +297,7 @@ class SFTLoader:
 
     def next_step(self) -> list:
         """This rank's micro-batches of the next step: rows [rank slice] of the next `global_batch` rows."""
-        per_rank = self.global_batch // self.dp_size
-        mine_from, mine_to = self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank
+        mine_from, mine_to = self.my_rows.start, self.my_rows.stop
         pieces, taken = [], 0
         while taken < self.global_batch:
             plan = self.plan(self.epoch)
@@ -311,16 +312,13 @@ class SFTLoader:
         self.rows_taken += self.global_batch
         rows = {k: np.concatenate([p[k] for p in pieces]) for k in PACKED_COLUMNS[:4]}
         seq_lens = [s for p in pieces for s in p["seq_lens"]]
-        return [self._batch(rows, seq_lens, i, i + self.micro_batch) for i in range(0, per_rank, self.micro_batch)]
+        return [self._batch(rows, seq_lens, i, i + self.micro_batch) for i in range(0, len(self.my_rows), self.micro_batch)]
 
     def _batch(self, rows: dict, seq_lens: list, lo: int, hi: int):
         t = {k: torch.from_numpy(np.ascontiguousarray(rows[k][lo:hi])) for k in PACKED_COLUMNS[:4]}
         lengths = np.concatenate([np.asarray(s, np.int64) for s in seq_lens[lo:hi]] or [np.zeros(0, np.int64)])
         return Batch(t["input_ids"], t["labels"], t["position_ids"], t["document_ids"],
                      document_lengths=torch.from_numpy(lengths))
-
-    def close(self) -> None:
-        pass
 
     # --- state ---------------------------------------------------------------------------------------------------
 
@@ -336,16 +334,14 @@ class SFTLoader:
 
     def state_dict(self) -> dict:
         """Rows taken so far (and where that is in the epochs), plus what was trained per source (collective)."""
-        return {"kind": "sft", "fingerprint": self._fingerprint, "seed": self.seed, "epoch": self.epoch,
-                "offset": self.offset, "rows": self.rows_taken, "trained": self._trained_everywhere().tolist()}
+        return {**self.header(), "epoch": self.epoch, "offset": self.offset, "rows": self.rows_taken,
+                "trained": self._trained_everywhere().tolist()}
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != "sft":
-            raise ValueError("the checkpoint's data position is not from an SFT loader; refusing to resume on it")
-        if state["fingerprint"] != self._fingerprint or state["seed"] != self.seed:
-            raise ValueError("the checkpoint's data position belongs to different SFT data, template or seed "
-                             f"(checkpoint fingerprint {state['fingerprint']}, seed {state['seed']}; now "
-                             f"{self._fingerprint}, seed {self.seed}); refusing to resume on it")
+        self.check_resume(state)
         self.epoch, self.offset, self.rows_taken = state["epoch"], state["offset"], state["rows"]
         self.trained[:] = 0
         if self.dp_rank == 0:  # the totals so far, counted once

@@ -20,6 +20,7 @@ import torch
 
 from maester.config import DataConfig, DataSourceConfig
 from maester.data.batch import BatchPlan, make_batch
+from maester.data.loader_base import LoaderBase
 from maester.data.indexed import LLMC_MAGIC, IndexedDataset, read_llmc_shard, read_nanogpt_bin
 from maester.data.permutation import Permutation, seed_key
 
@@ -116,13 +117,14 @@ class TokenSource:
             _fingerprint_file(Path(f), h)
 
 
-class TokenLoader:
+class TokenLoader(LoaderBase):
     """Each optimizer step's micro-batches for one data-parallel rank, from pre-tokenized sources."""
 
+    KIND, WHAT = "tokens", "a pre-tokenized"
+
     def __init__(self, cfg: DataConfig, tokenizer, *, seed: int, batch: BatchPlan):
-        self.data, self.tokenizer, self.seed, self.batch = cfg, tokenizer, seed, batch
-        self.global_batch, self.micro_batch = batch.global_batch, batch.micro_batch
-        self.dp_rank, self.dp_size = batch.dp_rank, batch.dp_size
+        super().__init__(batch, seed)
+        self.data, self.tokenizer = cfg, tokenizer
         self.sources = [TokenSource(s, cfg.seq_len, tokenizer.vocab_size) for s in cfg.sources]
         weights = np.array([s.weight for s in cfg.sources], dtype=np.float64)
         self.bounds = np.cumsum(weights / weights.sum())[:-1]
@@ -159,10 +161,9 @@ class TokenLoader:
             k[where] = self.counts[p] + np.arange(len(where))
             self.counts[p] += len(where)
         self.samples += self.global_batch
-        per_rank = self.global_batch // self.dp_size
-        mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        mine = slice(self.my_rows.start, self.my_rows.stop)
         src, k = src[mine], k[mine]
-        windows = np.empty(per_rank, dtype=np.int64)
+        windows = np.empty(len(src), dtype=np.int64)
         for p in np.unique(src):
             windows[src == p] = self._windows(int(p), k[src == p])
         taken = [self.sources[p].window(w) for p, w in zip(src.tolist(), windows.tolist())]
@@ -176,9 +177,6 @@ class TokenLoader:
                            None if doc_ids is None else doc_ids[i:i + micro_batch])
                 for i in range(0, len(rows), micro_batch)]
 
-    def close(self) -> None:
-        pass
-
     def fingerprint(self) -> str:
         if self._fingerprint is None:
             h = hashlib.sha256(f"{self.data.seq_len}:".encode())
@@ -188,16 +186,10 @@ class TokenLoader:
         return self._fingerprint
 
     def state_dict(self) -> dict:
-        return {"kind": "tokens", "fingerprint": self.fingerprint(), "seed": self.seed, "samples": self.samples,
-                "counts": self.counts.tolist()}
+        return {**self.header(), "samples": self.samples, "counts": self.counts.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != "tokens":
-            raise ValueError("the checkpoint's data position is not from a pre-tokenized loader; refusing to resume")
-        if state["fingerprint"] != self.fingerprint() or state["seed"] != self.seed:
-            raise ValueError("the checkpoint's data position belongs to different data or another seed "
-                             f"(checkpoint fingerprint {state['fingerprint']}, seed {state['seed']}; now "
-                             f"{self.fingerprint()}, seed {self.seed}); refusing to resume on it")
+        self.check_resume(state)
         self.samples = int(state["samples"])
         self.counts = np.array(state["counts"], dtype=np.int64)
 

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from maester.config import DataConfig, TokenizerConfig
 from maester.data.batch import BatchPlan, make_batch
+from maester.data.loader_base import LoaderBase
 from maester.data.permutation import Permutation, mix64, seed_key
 from maester.data.records import InvalidDocument
 from maester.data.text_files import TextSource
@@ -180,27 +181,25 @@ def _snapshot(state: dict) -> dict:
     return {k: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v for k, v in state.items()}
 
 
-class TextLoader:
+class TextLoader(LoaderBase):
     """Each optimizer step's micro-batches for one data-parallel rank, from raw text tokenized on the fly."""
+
+    KIND, WHAT = "text", "a raw-text"
 
     def __init__(self, data: DataConfig, tokenizer_cfg: TokenizerConfig, tokenizer, *, seed: int, batch: BatchPlan,
                  group=None):
-        global_batch, micro_batch, dp_rank, dp_size = (batch.global_batch, batch.micro_batch, batch.dp_rank,
-                                                       batch.dp_size)
+        super().__init__(batch, seed)
         if data.add_bos and tokenizer.bos_id is None:
             raise ValueError("data.add_bos is set but the tokenizer has no BOS token")
-        self.data, self.tokenizer, self.seed, self.group = data, tokenizer, seed, group
-        self.batch, self.global_batch, self.micro_batch, self.dp_size = batch, global_batch, micro_batch, dp_size
+        self.data, self.tokenizer, self.group = data, tokenizer, group
         self.plan = StreamPlan(data, tokenizer_cfg, [TextSource(s, data.chunk_documents) for s in data.sources],
-                               global_batch, seed)
-        per_rank = global_batch // dp_size
-        self.rank_index = dp_rank
-        self.streams = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+                               self.global_batch, seed)
+        self.streams = list(self.my_rows)
         self.states: dict[int, dict | None] = {i: None for i in self.streams}
-        self.num_workers = min(data.num_workers, per_rank)
+        self.num_workers = min(data.num_workers, len(self.streams))
         if self.num_workers < data.num_workers:
             log.info("data.num_workers=%d, but this rank serves %d streams: using %d workers",
-                     data.num_workers, per_rank, self.num_workers)
+                     data.num_workers, len(self.streams), self.num_workers)
         self._batches = None
 
     def _iterator(self):
@@ -235,6 +234,9 @@ class TextLoader:
     def close(self) -> None:
         self._batches = None  # the DataLoader's workers exit with their iterator
 
+    def fingerprint(self) -> str:
+        return self.plan.fingerprint()
+
     # --- state ---------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -246,16 +248,10 @@ class TextLoader:
             gathered: list = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(gathered, mine, group=self.group)
             mine = {k: v for part in gathered for k, v in part.items()}
-        return {"kind": "text", "fingerprint": self.plan.fingerprint(), "seed": self.seed,
-                "streams": self.global_batch, "states": mine}
+        return {**self.header(), "streams": self.global_batch, "states": mine}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != "text":
-            raise ValueError("the checkpoint's data position is not from a raw-text loader; refusing to resume")
-        if state["fingerprint"] != self.plan.fingerprint() or state["seed"] != self.seed:
-            raise ValueError("the checkpoint's data position belongs to different data or another seed "
-                             f"(checkpoint fingerprint {state['fingerprint']}, seed {state['seed']}; now "
-                             f"{self.plan.fingerprint()}, seed {self.seed}); refusing to resume on it")
+        self.check_resume(state)
         if state["streams"] != self.global_batch:
             raise ValueError(f"the checkpoint was written with a global batch of {state['streams']} sequences, "
                              f"now {self.global_batch}: the data streams would not line up")
@@ -310,7 +306,7 @@ class TextLoader:
         seq = self.data.seq_len
         stream = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
         n = max(0, (len(stream) - 1) // seq) // self.dp_size  # windows per rank, the same on every rank
-        first = self.rank_index * n
+        first = self.dp_rank * n
         rows = torch.from_numpy(stream[(first + np.arange(n))[:, None] * seq + np.arange(seq + 1)])
         return [make_batch(rows[i:i + micro_batch], self.data.document_masking, self.tokenizer.eos_id)
                 for i in range(0, n, micro_batch)]
