@@ -27,7 +27,7 @@ from maester.data.packing import (IGNORE_INDEX, OVERLONG, PackedRows, best_fit_d
 from maester.data.records import InvalidRecord, RecordReader
 from maester.files import AtomicOutputs
 from maester.tools.data_report import Progress, Summary
-from maester.data.sft import RecordEncoder
+from maester.data.sft_loader import RecordEncoder
 from maester.data.worker_pool import chunked, map_in_order
 
 COLUMNS = ("input_ids", "labels", "position_ids", "document_ids", "seq_lens")
