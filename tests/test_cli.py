@@ -214,4 +214,4 @@ def test_invalid_utf8_in_a_loader_worker_is_one_line(tmp_path):
                      "--training.device=cpu", "--data.num_workers=1", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line or "Traceback" in line]
-    assert errors == [f"maester train: error: {data}:2: not valid UTF-8 (byte 10)"]
+    assert errors == [f"maester train: error: {data}:2: not valid UTF-8 (byte 10 of the line)"]

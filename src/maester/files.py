@@ -86,10 +86,15 @@ def _alive(pid: int) -> bool:
 
 class AtomicOutputs:
     """Use as a context manager: a clean exit renames every temporary file onto its final name, an exception
-    removes them all."""
+    removes them all.
 
-    def __init__(self) -> None:
+    `key`: a final name readers look for first (an index beside its data). It is removed before the others are
+    renamed and renamed last, so that a reader never sees a new file beside the old key, or the other way round.
+    """
+
+    def __init__(self, key: Path | None = None) -> None:
         self._pairs: list[tuple[Path, Path]] = []
+        self._key = None if key is None else Path(key)
 
     def __enter__(self) -> "AtomicOutputs":
         return self
@@ -109,9 +114,11 @@ class AtomicOutputs:
     def commit(self) -> None:
         try:
             for tmp, _ in self._pairs:
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-            for tmp, final in self._pairs:
+                fsync_file(tmp)
+            pairs = sorted(self._pairs, key=lambda pair: pair[1] == self._key)  # the key last
+            if self._key is not None and len(pairs) > 1:
+                self._key.unlink(missing_ok=True)
+            for tmp, final in pairs:
                 os.replace(tmp, final)
         except BaseException:
             self.discard()
@@ -122,6 +129,41 @@ class AtomicOutputs:
         for tmp, _ in self._pairs:
             tmp.unlink(missing_ok=True)
         self._pairs.clear()
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a written file's data to disk."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename, a new file) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: str | bytes) -> None:
+    """Write `path` and flush it to disk, in place: for files inside a directory that is itself renamed into place
+    when complete (a checkpoint)."""
+    with open(path, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def point_link(link: Path, target: str) -> None:
+    """Make the symlink `link` point to `target` (relative to its directory) in one rename, and flush that to disk:
+    a reader sees the old target or the new one, never no link."""
+    link = Path(link)
+    tmp = link.with_name(f".{link.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:

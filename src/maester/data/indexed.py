@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from maester.files import temp_beside
+from maester.files import AtomicOutputs
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -78,25 +78,6 @@ def _paths(prefix: PathLike) -> tuple[Path, Path]:
 
 # --- atomic writes ---------------------------------------------------------------------------------------------
 
-def _temp_for(final: Path) -> Path:
-    return temp_beside(final)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _commit(pairs: Sequence[tuple[Path, Path]]) -> None:
-    """Move complete temporary files onto their final names. The last final name is the one readers look for
-    first (the `.idx`), so it is removed before and replaced after the others: no stale pair is ever visible."""
-    for tmp, _ in pairs:
-        _fsync(tmp)
-    pairs[-1][1].unlink(missing_ok=True)
-    for tmp, final in pairs:
-        os.replace(tmp, final)
-
-
 def _write_index(path: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndarray) -> None:
     sizes = np.asarray(sizes, dtype=np.int64)
     if len(sizes) and (sizes.min() < 0 or sizes.max() > np.iinfo(np.int32).max):
@@ -124,8 +105,9 @@ class IndexedDatasetWriter:
         self.bin_path, self.idx_path = _paths(prefix)
         self._info = np.iinfo(self.dtype)
         self._sizes: list[int] = []
-        self._tmp_bin = _temp_for(self.bin_path)
-        self._bin = open(self._tmp_bin, "wb")
+        # readers look for the .idx first: it goes last, and no stale pair is ever visible
+        self._outputs = AtomicOutputs(key=self.idx_path)
+        self._bin = open(self._outputs.temp_for(self.bin_path), "wb")
         self._done = False
 
     def __enter__(self) -> "IndexedDatasetWriter":
@@ -177,24 +159,17 @@ class IndexedDatasetWriter:
         if self._done:
             raise RuntimeError(f"{self.idx_path}: writer is already finalized or aborted")
         self._done = True
-        tmp_idx = None
-        try:
+        with self._outputs:
             self._bin.close()
-            tmp_idx = _temp_for(self.idx_path)
             n = len(self._sizes)
-            _write_index(tmp_idx, self.dtype, np.array(self._sizes, dtype=np.int64), np.arange(n + 1))
-            _commit([(self._tmp_bin, self.bin_path), (tmp_idx, self.idx_path)])
-        except BaseException:
-            self._tmp_bin.unlink(missing_ok=True)
-            if tmp_idx is not None:
-                tmp_idx.unlink(missing_ok=True)
-            raise
+            _write_index(self._outputs.temp_for(self.idx_path), self.dtype, np.array(self._sizes, dtype=np.int64),
+                         np.arange(n + 1))
 
     def abort(self) -> None:
         """Discard everything written; the final names are left untouched."""
         self._done = True
         self._bin.close()
-        self._tmp_bin.unlink(missing_ok=True)
+        self._outputs.discard()
 
 
 # --- reading ---------------------------------------------------------------------------------------------------
@@ -324,21 +299,12 @@ def merge_indexed(prefixes: Iterable[PathLike], out_prefix: PathLike) -> None:
     for ds in datasets:
         doc_idx.append(offset + np.asarray(ds.doc_idx[1:], dtype=np.int64))
         offset += len(ds)
-    tmp_bin = _temp_for(bin_path)
-    tmp_idx = None
-    try:
-        with open(tmp_bin, "wb") as out:
+    with AtomicOutputs(key=idx_path) as outputs:
+        with open(outputs.temp_for(bin_path), "wb") as out:
             for ds in datasets:
                 with open(ds.bin_path, "rb") as src:
                     shutil.copyfileobj(src, out, 16 << 20)
-        tmp_idx = _temp_for(idx_path)
-        _write_index(tmp_idx, datasets[0].dtype, sizes, np.concatenate(doc_idx))
-        _commit([(tmp_bin, bin_path), (tmp_idx, idx_path)])
-    except BaseException:
-        tmp_bin.unlink(missing_ok=True)
-        if tmp_idx is not None:
-            tmp_idx.unlink(missing_ok=True)
-        raise
+        _write_index(outputs.temp_for(idx_path), datasets[0].dtype, sizes, np.concatenate(doc_idx))
 
 
 # --- llm.c / modded-nanogpt shards and raw nanoGPT bins ----------------------------------------------------------
@@ -378,16 +344,9 @@ def write_llmc_shard(path: PathLike, tokens) -> None:
         raise ValueError(f"{path}: {arr.size} tokens do not fit the int32 count of the header")
     header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
     header[:3] = (LLMC_MAGIC, LLMC_VERSION, arr.size)
-    tmp = _temp_for(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(arr.astype("<u2", copy=False).tobytes())
-        _fsync(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with AtomicOutputs() as outputs, open(outputs.temp_for(path), "wb") as f:
+        f.write(header.tobytes())
+        f.write(arr.astype("<u2", copy=False).tobytes())
 
 
 def read_nanogpt_bin(path: PathLike) -> np.memmap:

@@ -3,7 +3,6 @@ SLURM job (`logs/<id>.out|.err` and `logs/latest.*`), so local and cluster runs 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from maester.files import point_link
 from maester.jobs.job_dir import is_job_dir
 
 
@@ -22,12 +22,6 @@ def _tee(source, sinks) -> None:
     source.close()
 
 
-def _point_latest(logs: Path, name: str, suffix: str) -> None:
-    link = logs / f"latest.{suffix}"
-    tmp = logs / f".latest.{suffix}.tmp"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(f"{name}.{suffix}")
-    os.replace(tmp, link)
 
 
 def launch_local(job_dir: Path, nproc: int = 1) -> int:
@@ -45,7 +39,7 @@ def launch_local(job_dir: Path, nproc: int = 1) -> int:
            "-m", "maester", "train", str(job_dir)]
     with open(logs / f"{name}.out", "ab") as out, open(logs / f"{name}.err", "ab") as err:
         for suffix in ("out", "err"):
-            _point_latest(logs, name, suffix)
+            point_link(logs / f"latest.{suffix}", f"{name}.{suffix}")
         err.write(f"[{time.strftime('%F %T')}] {' '.join(cmd)}\n".encode())
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         # Ctrl-C or a TERM to this process reaches torchrun, which stops its workers.

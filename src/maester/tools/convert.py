@@ -27,9 +27,8 @@ from typing import Any
 import torch
 
 from maester.config import Config
-from maester.files import read_json_object
 from maester.data.tokenizers import ByteTokenizer, build_tokenizer
-from maester.files import parse_shard_size, umask_mode
+from maester.files import fsync_dir, fsync_file, parse_shard_size, read_json_object, umask_mode
 from maester.parallel.precision import DTYPES
 from maester.tools.hf_dir import hf_tokenizer_settings
 from maester.models.args import TransformerArgs
@@ -306,18 +305,13 @@ def _atomic_directory(out: Path) -> Iterator[Path]:
         for file in tmp.rglob("*"):
             if file.is_file():
                 os.chmod(file, mode)  # safetensors creates its files 0600 whatever the umask
-                with open(file, "rb+") as f:
-                    os.fsync(f.fileno())
+                fsync_file(file)
         _refuse_existing(out)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(out.parent)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -40,10 +40,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from maester.config import LOAD_MODES, CheckpointConfig
+from maester.files import fsync_dir, point_link, write_durably
 from maester.train.checkpoint_files import (
-    DAMAGED, MANIFEST, STEP_DIR, TRAINER_STATE, capture_rng_state, dcp_load, describe_files, fsync_dir,
+    DAMAGED, MANIFEST, STEP_DIR, TRAINER_STATE, capture_rng_state, dcp_load, describe_files,
     has_optimizer_state, is_complete, load_model_weights, read_rng_state, read_trainer_state, restore_rng_state,
-    single_process_ok, step_dirs, verify_checkpoint, write_durably,
+    single_process_ok, step_dirs, verify_checkpoint,
 )
 from maester.train.faults import maybe_crash
 
@@ -277,12 +278,7 @@ class Checkpointer:
         return files, gathered[0][1], next((r for _, _, r in gathered if r), None)
 
     def _point_latest_to(self, target: Path) -> None:
-        tmp_link = self.dir / "latest.tmp"
-        if tmp_link.is_symlink() or tmp_link.exists():
-            tmp_link.unlink()
-        os.symlink(target.name, tmp_link)
-        os.replace(tmp_link, self.dir / "latest")
-        fsync_dir(self.dir)
+        point_link(self.dir / "latest", target.name)
 
     def _remove_unfinished(self) -> None:
         if self.dir.is_dir():

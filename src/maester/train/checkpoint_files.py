@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import pickle
 import random
 import re
@@ -280,16 +279,5 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 
-def write_durably(path: Path, text: str | bytes) -> None:
-    with open(path, "wb" if isinstance(text, bytes) else "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
