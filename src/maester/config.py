@@ -22,9 +22,12 @@ class TokenizerConfig(Section):
     kind: Literal["byte", "hf", "sentencepiece", "tiktoken"] = "byte"
     """`byte`: 256 byte values plus special tokens, no files. `hf`: a Hugging Face `tokenizer.json`.
     `sentencepiece`: a SentencePiece `.model` file. `tiktoken`: a local BPE rank file (`<base64 token> <rank>`
-    per line, as `cl100k_base.tiktoken` or Llama 3's `tokenizer.model`)."""
+    per line, as `cl100k_base.tiktoken` or Llama 3's `tokenizer.model`), or a named encoding (`encoding`)."""
     path: str | None = None
     """For `hf`: the `tokenizer.json` file or the directory that holds it; else the model / rank file."""
+    encoding: str | None = None
+    """`tiktoken` only, instead of `path`: one of tiktoken's named encodings (`gpt2`, `cl100k_base`, `o200k_base`,
+    ...), with its own pattern and special tokens, loaded through tiktoken's cache (`TIKTOKEN_CACHE_DIR`)."""
     bos_token: str | None = None
     eos_token: str | None = None
     pad_token: str | None = None
@@ -40,8 +43,17 @@ class TokenizerConfig(Section):
 
     @model_validator(mode="after")
     def _check_path(self) -> "TokenizerConfig":
-        if self.kind != "byte" and not self.path:
-            raise ValueError(f"tokenizer.path is required when tokenizer.kind = {self.kind!r}")
+        if self.encoding is not None:
+            if self.kind != "tiktoken":
+                raise ValueError(f"tokenizer.encoding is only used when tokenizer.kind = 'tiktoken' (it is "
+                                 f"{self.kind!r})")
+            given = [k for k in ("path", "pattern", "special_tokens") if getattr(self, k)]
+            if given:
+                raise ValueError(f"tokenizer.{given[0]} must not be set with tokenizer.encoding (a named encoding "
+                                 f"brings its own file, pattern and special tokens)")
+        elif self.kind != "byte" and not self.path:
+            raise ValueError(f"tokenizer.path is required when tokenizer.kind = {self.kind!r}"
+                             + (" (or tokenizer.encoding, a named encoding)" if self.kind == "tiktoken" else ""))
         if self.kind == "byte":
             given = [k for k in ("path", "bos_token", "eos_token", "pad_token") if getattr(self, k) is not None]
             if given:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import re
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Protocol
@@ -224,13 +226,43 @@ class TiktokenTokenizer:
         if eos_token is None:
             raise ValueError(f"tiktoken rank file {path}: no EOS token: set tokenizer.eos_token (and list it "
                              "in tokenizer.special_tokens)")
-        self._special_tokens = special_tokens
-        self._enc = tiktoken.Encoding(name=f"maester:{path.name}", pat_str=pattern or CL100K_PATTERN,
-                                      mergeable_ranks=ranks, special_tokens=special_tokens)
-        self.vocab_size = self._enc.n_vocab
+        self._set(tiktoken.Encoding(name=f"maester:{path.name}", pat_str=pattern or CL100K_PATTERN,
+                                    mergeable_ranks=ranks, special_tokens=special_tokens), str(path), special_tokens,
+                  bos_token, eos_token, pad_token)
+
+    def _set(self, enc, name: str, special_tokens: dict[str, int], bos_token: str | None, eos_token: str,
+             pad_token: str | None) -> None:
+        self._enc, self.path, self._special_tokens = enc, name, special_tokens
+        self.vocab_size = enc.n_vocab
         self.bos_id = self._token_id(bos_token) if bos_token else None
         self.eos_id = self._token_id(eos_token)
         self.pad_id = self._token_id(pad_token) if pad_token else None
+
+    @classmethod
+    def named(cls, encoding: str, bos_token: str | None = None, eos_token: str | None = None,
+              pad_token: str | None = None) -> "TiktokenTokenizer":
+        """One of tiktoken's named encodings, through its own loader and cache (`TIKTOKEN_CACHE_DIR`), with its
+        pattern and special tokens; EOS defaults to `<|endoftext|>`."""
+        import tiktoken
+
+        known = tiktoken.list_encoding_names()
+        if encoding not in known:
+            raise ValueError(f"tokenizer.encoding = {encoding!r} is not a tiktoken encoding; known: "
+                             f"{', '.join(known)}")
+        try:
+            enc = tiktoken.get_encoding(encoding)
+        except (OSError, ValueError) as e:  # requests' ConnectionError is an OSError; a bad download a ValueError
+            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or \
+                os.path.join(tempfile.gettempdir(), "data-gym-cache")
+            raise ValueError(
+                f"tokenizer.encoding = {encoding!r}: not in tiktoken's cache ({cache}) and it could not be "
+                f"downloaded ({type(e).__name__}: {str(e).splitlines()[0][:200]}). On a machine with internet run "
+                f"`TIKTOKEN_CACHE_DIR=DIR python -c \"import tiktoken; tiktoken.get_encoding('{encoding}')\"`, "
+                f"copy DIR here and set TIKTOKEN_CACHE_DIR to it") from None
+        specials = {token: enc.encode_single_token(token) for token in sorted(enc.special_tokens_set)}
+        tok = cls.__new__(cls)
+        tok._set(enc, f"tiktoken:{encoding}", specials, bos_token, eos_token or "<|endoftext|>", pad_token)
+        return tok
 
     def token_to_id(self, token: str) -> int | None:
         return self._special_tokens.get(token)
@@ -388,6 +420,8 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
         tok = HFTokenizer(cfg.path, cfg.bos_token, cfg.eos_token, cfg.pad_token)
     elif cfg.kind == "sentencepiece":
         tok = SentencePieceTokenizer(cfg.path, cfg.bos_token, cfg.eos_token, cfg.pad_token)
+    elif cfg.kind == "tiktoken" and cfg.encoding:
+        tok = TiktokenTokenizer.named(cfg.encoding, cfg.bos_token, cfg.eos_token, cfg.pad_token)
     elif cfg.kind == "tiktoken":
         tok = TiktokenTokenizer(cfg.path, cfg.pattern, cfg.special_tokens, cfg.bos_token, cfg.eos_token,
                                 cfg.pad_token)

@@ -59,10 +59,18 @@ def tokenizer_config(spec: str, *, bos_token: str | None = None, eos_token: str 
 
     SPEC is `byte`; a Hugging Face `tokenizer.json` or a directory holding one; a SentencePiece `.model`; or a
     tiktoken rank file (`.tiktoken`, or a `.model` made of `<base64 token> <rank>` lines, as Llama 3's). `KIND:PATH`
-    (KIND one of hf, sentencepiece, tiktoken) names the kind outright.
+    (KIND one of hf, sentencepiece, tiktoken) names the kind outright; `tiktoken:NAME` (no such file) is one of
+    tiktoken's named encodings, as `cl100k_base`.
     """
     from pydantic import ValidationError
 
+    head, _, name = spec.partition(":")
+    if head == "tiktoken" and name and "/" not in name and not Path(name).exists():
+        if special_tokens:
+            raise ValueError(f"--tokenizer {spec}: a named encoding has its own special tokens; drop "
+                             f"--special-tokens")
+        return TokenizerConfig(kind="tiktoken", encoding=name, bos_token=bos_token, eos_token=eos_token,
+                               control_tokens=control_tokens or {})
     kind, path = _kind_and_path(spec)
     if kind == "byte" and (bos_token or eos_token):
         raise ValueError("--tokenizer byte has fixed special tokens: --bos-token/--eos-token do not apply")
