@@ -447,8 +447,11 @@ class WandbConfig(Section):
     enabled: bool = False
     """Log the metrics to Weights & Biases (needs the `wandb` extra); the run id is kept in
     `<job dir>/wandb/run-id`, so a restart or requeue continues the same run."""
-    project: str = "maester"
+    project: str | None = None
+    """Default: `$WANDB_PROJECT`, else `maester`."""
     entity: str | None = None
+    """Default: `$WANDB_ENTITY`, else the account's default. Both may come from a `.env` file in the working
+    directory, which every command reads (variables already set win; its values never enter config.json)."""
     name: str | None = None
     """The run's display name; default: `job.name`."""
     group: str | None = None

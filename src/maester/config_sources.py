@@ -84,6 +84,41 @@ def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
     return out
 
 
+DOTENV = ".env"
+
+
+def read_dotenv(path: Path) -> dict[str, str]:
+    """The `KEY=VALUE` lines of a `.env` file (blank lines, `# comments` and a leading `export ` allowed; a value may
+    be in single or double quotes); any other line is an error naming it."""
+    values: dict[str, str] = {}
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"{path}:{n}: expected KEY=VALUE, got {line[:60]!r}")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        elif " #" in value:
+            value = value.split(" #", 1)[0].rstrip()
+        values[key] = value
+    return values
+
+
+def apply_dotenv(directory: Path, environ: typing.MutableMapping[str, str] = os.environ) -> list[str]:
+    """Set the variables of `directory/.env` that the environment does not set already (the environment wins, as
+    with python-dotenv); returns the names set. Only the environment changes: the config and its config.json never
+    see these values, so secrets such as WANDB_API_KEY stay out of the job directory."""
+    path = Path(directory) / DOTENV
+    if not path.is_file():
+        return []
+    added = {k: v for k, v in read_dotenv(path).items() if k not in environ}
+    environ.update(added)
+    return sorted(added)
+
+
 def parse_value(raw: str) -> Any:
     """Strings stay strings (pydantic coerces them); JSON lists/objects and null are decoded."""
     stripped = raw.strip()

@@ -188,6 +188,39 @@ def test_wandb_offline_run_holds_the_metrics_and_restarts_continue_it(corpus, tm
 
 
 @pytest.mark.slow
+def test_wandb_project_and_entity_come_from_a_dotenv_file_and_its_secret_stays_out_of_the_job(
+        corpus, tmp_path, short_tmp):
+    """A `.env` in the working directory sets WANDB_PROJECT, WANDB_ENTITY and WANDB_API_KEY; the environment wins
+    over it; none of its values reaches config.json or the run's config."""
+    secret = "k" * 40
+    (tmp_path / ".env").write_text(f"# W&B\nexport WANDB_API_KEY='{secret}'\nWANDB_PROJECT=from-dotenv\n"
+                                   f"WANDB_ENTITY=team-dotenv  # a comment\n")
+    with silent_port() as (url, connections):
+        env = wandb_env(tmp_path / "home", short_tmp, url)
+        runs = {}
+        for name, extra in (("dotenv", {}), ("environ", {"WANDB_PROJECT": "from-environ"})):
+            out = run_maester(["train", str(DEMO_CONFIG), *tiny_overrides(
+                corpus, tmp_path / "jobs", name, training__steps=2, logging__wandb__enabled="true",
+                logging__wandb__mode="offline")], tmp_path, env={**env, **extra})
+            assert out.returncode == 0, out.stderr
+            job = tmp_path / "jobs" / name
+            run_id = (job / "wandb" / "run-id").read_text().strip()
+            (run_dir,) = (job / "wandb").glob("offline-run-*")
+            (runs[name],) = [r["run"] for r in wandb_records(run_dir / f"run-{run_id}.wandb", env)
+                             if r["type"] == "run"]
+            assert secret not in (job / "config.json").read_text()
+            assert secret not in json.dumps(runs[name]["config"])
+        assert connections() == 0
+    assert (runs["dotenv"]["project"], runs["dotenv"]["entity"]) == ("from-dotenv", "team-dotenv")
+    assert runs["environ"]["project"] == "from-environ"
+
+
+def test_a_bad_dotenv_line_is_an_error_naming_it(tmp_path):
+    (tmp_path / ".env").write_text("WANDB_PROJECT=x\nthis is not a setting\n")
+    out = run_maester(["train", str(DEMO_CONFIG)], tmp_path)
+    assert out.returncode == 2 and f"{tmp_path / '.env'}:2: expected KEY=VALUE" in out.stderr, out.stderr
+
+
 def test_wandb_online_without_a_reachable_server_fails_with_a_clear_error(tmp_path, short_tmp):
     job_dir = tmp_path / "jobs" / "online"
     with silent_port() as (url, connections):

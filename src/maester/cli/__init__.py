@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -53,8 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     from maester.config_base import ConfigError
+    from maester.config_sources import apply_dotenv
 
     try:
+        apply_dotenv(Path.cwd())
         COMMANDS[args.command].run(args)
     except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError,
             ValueError) as e:

@@ -106,8 +106,9 @@ class WandbSink:
         run_id = wandb_run_id(job_dir)
         try:
             self._run: Any = wandb.init(
-                dir=str(job_dir), id=run_id, resume="allow", project=wb.project, entity=wb.entity,
-                name=wb.name or cfg.job.name, group=wb.group, tags=wb.tags or None, mode=wb.mode,
+                dir=str(job_dir), id=run_id, resume="allow",
+                project=wb.project or os.environ.get("WANDB_PROJECT") or "maester",
+                entity=wb.entity or os.environ.get("WANDB_ENTITY") or None, name=wb.name or cfg.job.name, group=wb.group, tags=wb.tags or None, mode=wb.mode,
                 config=cfg.model_dump(mode="json"), allow_val_change=True,  # a restart may change the config
                 # silent: no banner or hints on our console; console "off": our stdout and stderr stay untouched.
                 settings=wandb.Settings(silent=True, console="off", init_timeout=wb.init_timeout),
