@@ -182,7 +182,12 @@ class TrainingConfig(Section):
     autocast); `bf16-pure`: parameters and optimizer state in bf16 too (half the memory, no fp32 master
     weights); `fp16`: fp16 compute with dynamic loss scaling (GPUs without bf16). `auto`: bf16 on GPU, fp32 on
     CPU. See `maester.parallel.precision`."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """`auto`: CUDA/ROCm where a GPU is usable, else the CPU (refused where the run was meant for GPUs). `mps`:
+    Apple Silicon's GPU, for one process (no distributed backend serves it); refused where MPS is absent."""
+    matmul_precision: Literal["highest", "high", "medium"] = "highest"
+    """`torch.set_float32_matmul_precision`: `high` lets float32 matmuls use TF32 on Ampere and later GPUs (faster,
+    about 10 mantissa bits); `highest` (torch's default) keeps full float32."""
     deterministic: bool = False
     """Use deterministic kernels (`torch.use_deterministic_algorithms`); CPU runs are bitwise repeatable anyway."""
     nonfinite: Literal["stop", "skip"] = "stop"

@@ -82,3 +82,23 @@ def test_environment_line_names_torch_and_device():
 def test_environment_line_names_the_gpu():  # pragma: no cover - GPU check
     line = describe_environment(torch.device("cuda", 0))
     assert torch.cuda.get_device_name(0) in line and ("NCCL" in line or "RCCL" in line)
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="the refusal needs a machine without MPS")
+def test_mps_where_it_is_absent_is_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="training.device = 'mps', but this torch build .* has no MPS support"
+                                           "|training.device = 'mps', but torch has MPS support but no MPS device"):
+        choose_device_type("mps", "auto", env={})
+
+
+def test_mps_is_one_process_on_the_mps_device(monkeypatch):
+    """Where MPS is usable (shown by saying so to torch: this machine has none), the run gets the mps device in one
+    process, and a multi-process launch is refused before any process group exists."""
+    from maester.parallel.dims import init_distributed
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed("mps") == (0, 1, torch.device("mps"))
+    with pytest.raises(RuntimeError, match="'mps' trains in one process, but 2 were started"):
+        choose_device_type("mps", "auto", env={}, world_size=2)
+    assert choose_device_type("auto", "auto", env={}) in ("cpu", "cuda")  # auto never picks MPS

@@ -207,3 +207,14 @@ def test_eval_without_a_held_out_split_is_an_error(corpus, tmp_path):
                            checkpoint__save_final="false", checkpoint__interval=0)
     with pytest.raises(ValueError, match="too few windows"):
         trainer.train()
+
+
+def test_matmul_precision_is_set_for_the_run(corpus, tmp_path, monkeypatch):
+    before = torch.get_float32_matmul_precision()
+    try:
+        cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", "tf32", training__matmul_precision="high"),
+                          environ={})
+        Trainer(cfg, cfg.job_dir)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -64,11 +64,29 @@ class DeviceUnavailable(RuntimeError, ValueError):
     """The run asks for a GPU that cannot be used: a one-line error of the run's settings, not a crash."""
 
 
-def choose_device_type(choice: str, precision: str, env: Mapping[str, str] | None = None) -> str:
-    """"cuda" or "cpu" for `training.device` = `choice` ("auto", "cuda" or "cpu"); raises where the GPU was meant
-    and cannot be used, saying why."""
+def why_no_mps() -> str | None:
+    """Why this process cannot use Apple's MPS device, or None if it can."""
+    if torch.backends.mps.is_available():
+        return None
+    if not torch.backends.mps.is_built():
+        return f"this torch build ({torch.__version__}) has no MPS support (MPS needs a macOS build on Apple Silicon)"
+    return "torch has MPS support but no MPS device is usable here (it needs Apple Silicon and macOS 12.3 or later)"
+
+
+def choose_device_type(choice: str, precision: str, env: Mapping[str, str] | None = None,
+                       world_size: int = 1) -> str:
+    """"cuda", "mps" or "cpu" for `training.device` = `choice` ("auto", "cuda", "mps" or "cpu"); raises where the
+    device was meant and cannot be used, saying why."""
     if choice == "cpu":
         return "cpu"
+    if choice == "mps":
+        reason = why_no_mps()
+        if reason:
+            raise DeviceUnavailable(f"training.device = 'mps', but {reason}")
+        if world_size > 1:
+            raise DeviceUnavailable(f"training.device = 'mps' trains in one process, but {world_size} were started "
+                                    f"(no distributed backend serves MPS): run it without torchrun, or nproc 1")
+        return "mps"
     if torch.cuda.is_available():
         return "cuda"
     if choice == "cuda":

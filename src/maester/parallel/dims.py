@@ -108,14 +108,14 @@ def init_distributed(device_choice: str = "auto", timeout_s: float | None = None
     from maester.parallel.devices import choose_device_type, process_group_backend
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device_type = choose_device_type(device_choice, precision)
+    device_type = choose_device_type(device_choice, precision, world_size=world)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         # Before the first CUDA allocation; the user's own setting wins (torchtitan sets the same).
         if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device(device_type)
     if world == 1 and not dist.is_initialized():
         return 0, 1, device
     if not dist.is_initialized():

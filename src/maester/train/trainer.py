@@ -96,6 +96,7 @@ class Trainer:
 
             run_preflight(cfg.preflight, self.job_dir, self.device, fail_fast=cfg.preflight.fail_fast)
         seed_everything(cfg.training.seed)
+        torch.set_float32_matmul_precision(cfg.training.matmul_precision)
         if cfg.training.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
