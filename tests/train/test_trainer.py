@@ -218,3 +218,20 @@ def test_matmul_precision_is_set_for_the_run(corpus, tmp_path, monkeypatch):
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_step_seconds_is_the_window_s_wall_time_per_step(corpus, tmp_path):
+    import time
+
+    trainer = make_trainer(corpus, tmp_path, training__steps=6, logging__interval=3, checkpoint__interval=0,
+                           checkpoint__save_final="false")
+    started = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - started
+    records = {r["step"]: r for r in read_metrics(trainer.job_dir / "metrics.jsonl")}
+    assert sorted(records) == [1, 3, 6]  # windows of 1, 2 and 3 steps
+    step_tokens = records[6]["tokens_seen"] / 6
+    for r in records.values():  # tokens/s and seconds/step describe the same window
+        assert r["step_seconds"] * r["tokens_per_second"] == pytest.approx(step_tokens, rel=1e-9)
+    steps = {1: 1, 3: 2, 6: 3}
+    assert 0 < sum(r["step_seconds"] * steps[s] for s, r in records.items()) < wall

@@ -325,7 +325,7 @@ class Trainer:
         record = {
             "step": self.step, "loss": loss_value, "lr": self.cfg.optimizer.lr * lr_mult,
             **{f"lr/{g['name']}": g["lr"] for g in self.optimizer.param_groups if "name" in g},
-            "grad_norm": grad_norm.item(), "tokens_per_second": tps,
+            "grad_norm": grad_norm.item(), "tokens_per_second": tps, "step_seconds": elapsed / max(window.steps, 1),
             **({"grad_scale": self.scaler.scale.item()} if self.scaler is not None else {}),
             "mfu": tps / self.world_size * run.flops_per_token / run.peak_flops if run.peak_flops else None,
             "data_loading_seconds": window.data_seconds, "data_loading_share": window.data_seconds / elapsed,
