@@ -80,10 +80,15 @@ class DataSourceConfig(Section):
     Pre-tokenized: a Megatron/GPT-NeoX prefix without `.bin`/`.idx`, a glob of llm.c shards, or a nanoGPT bin."""
     name: str | None = None
     """Shown in the per-source metrics; default: the path's last component."""
-    format: Literal["auto", "parquet", "jsonl", "indexed", "llmc", "nanogpt"] = "auto"
-    """`auto`: from the suffix (`.parquet`, `.jsonl`), a prefix with `.idx`, or an llm.c header."""
+    format: Literal["auto", "parquet", "jsonl", "txt", "indexed", "llmc", "nanogpt"] = "auto"
+    """`auto`: from the suffix (`.parquet`, `.jsonl`, `.txt`), a prefix with `.idx`, or an llm.c header."""
     text_column: str = "text"
     """Raw text only: the column or JSON key holding each document."""
+    split_on_blank_lines: bool = False
+    """Plain `.txt` files: each paragraph (lines between blank lines) is a document; default: each whole file."""
+    label_path: str | None = None
+    """SFT from an indexed dataset (`maester data tokenize --template`): the prefix of its label dataset; default:
+    the path with `_text_document` replaced by `_label_document`."""
     weight: float = Field(1.0, gt=0)
     """Target share of the training tokens, relative to the other sources' weights."""
     validation_fraction: float = Field(0.0, ge=0, lt=1)
@@ -147,10 +152,16 @@ class DataConfig(Section):
     def _one_kind_of_source(self):
         if self.mode == "sft":
             bad = [f"data.sources.{i}.format" for i, s in enumerate(self.sources) if s.format not in
-                   ("auto", "parquet", "jsonl")]
+                   ("auto", "parquet", "jsonl", "txt", "indexed")]
             if bad:
-                raise ValueError(f"data.mode = 'sft' reads conversations (JSONL or Parquet) or rows packed by "
-                                 f"`maester data pack`, not pre-tokenized formats: {', '.join(bad)}")
+                raise ValueError(f"data.mode = 'sft' reads conversations (JSONL, Parquet, .txt), conversations "
+                                 f"tokenized by `maester data tokenize --template` (indexed) or rows packed by "
+                                 f"`maester data pack`, not other pre-tokenized formats: {', '.join(bad)}")
+        labelled = [f"data.sources.{i}.label_path" for i, s in enumerate(self.sources)
+                    if s.label_path is not None and (self.mode != "sft" or s.format not in ("auto", "indexed"))]
+        if labelled:
+            raise ValueError(f"{', '.join(labelled)}: labels are read only by data.mode = 'sft' from an indexed "
+                             f"dataset")
         if self.validation and self.mode == "sft":
             raise ValueError("data.validation: separate validation sources are for pretraining; in SFT, hold out "
                              "part of a source with data.sources.N.validation_fraction")
@@ -162,7 +173,7 @@ class DataConfig(Section):
         if len(set(names)) != len(names):
             raise ValueError(f"data.validation: names {names} repeat; give each source its own `name`")
         kinds = {s.format in ("indexed", "llmc", "nanogpt") for s in self.sources if s.format != "auto"}
-        if len(kinds) > 1:
+        if len(kinds) > 1 and self.mode == "pretrain":
             raise ValueError("data.sources mixes raw text and pre-tokenized formats; use one kind per job")
         return self
 

@@ -286,7 +286,7 @@ def test_resolve_files_directory_and_glob_sorted(tmp_path):
     a = write_parquet(root / "a.parquet", ["a"])
     c = write_jsonl(root / "sub" / "c.json", [{"text": "c"}])
     d = write_parquet(root / "sub" / "deeper" / "d.parquet", ["d"])
-    (root / "README.txt").write_text("not data")
+    (root / "README.md").write_text("not data")
     (root / "sub" / "notes.md").write_text("not data")
     assert resolve_files(DataSourceConfig(path=str(root))) == [a, b, c, d]
     assert resolve_files(DataSourceConfig(path=str(root / "*.jsonl"))) == [b]
@@ -294,7 +294,7 @@ def test_resolve_files_directory_and_glob_sorted(tmp_path):
     assert resolve_files(DataSourceConfig(path=str(root / "?.*[lt]"))) == [a, b]
     assert resolve_files(DataSourceConfig(path=str(a))) == [a]
     # A glob that catches a file whose format cannot be told is an error naming it.
-    with pytest.raises(ValueError, match="README.txt"):
+    with pytest.raises(ValueError, match="README.md"):
         resolve_files(DataSourceConfig(path=str(root / "*")))
     # ... unless the format is given.
     assert resolve_files(DataSourceConfig(path=str(root / "sub" / "*.md"), format="jsonl")) == [root / "sub" / "notes.md"]

@@ -141,8 +141,8 @@ def test_inputs_that_do_not_exist_or_have_unknown_suffixes(tmp_path, capsys):
     code, _, err = data(capsys, "tokenize", tmp_path / "missing.jsonl", "--output-prefix", tmp_path / "o",
                         "--tokenizer", "byte")
     assert code == 2 and "missing.jsonl: no such file or directory" in err
-    (tmp_path / "notes.txt").write_text("hello")
-    code, _, err = data(capsys, "count", tmp_path / "notes.txt", "--tokenizer", "byte")
+    (tmp_path / "notes.md").write_text("hello")
+    code, _, err = data(capsys, "count", tmp_path / "notes.md", "--tokenizer", "byte")
     assert code == 2 and "cannot tell the format" in err
     code, _, err = data(capsys, "count", tmp_path / "*.jsonl", "--tokenizer", "byte")
     assert code == 2 and "matches no files" in err

@@ -4,7 +4,7 @@ stopped tool leaves no temporary file."""
 from __future__ import annotations
 
 
-INPUTS_HELP = "files, directories or globs of .jsonl, .jsonl.gz, .jsonl.zst or .parquet documents"
+INPUTS_HELP = "files, directories or globs of .jsonl, .jsonl.gz, .jsonl.zst, .parquet or .txt documents"
 
 
 def add_data(sub, name: str) -> None:
@@ -16,19 +16,21 @@ def add_data(sub, name: str) -> None:
     t.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUTS_HELP)
     t.add_argument("--output-prefix", required=True, metavar="OUT",
                    help="writes OUT_text_document.bin/.idx (OUT_<text-key>_document, as GPT-NeoX names it), or "
-                        "OUT.parquet with --format parquet")
+                        "OUT.parquet with --format parquet; with --template also OUT_label_document.bin/.idx")
     t.add_argument("--format", choices=("indexed", "parquet"), default="indexed",
                    help="indexed: Megatron/GPT-NeoX .bin/.idx; parquet: an input_ids list<int32> column")
     _tokenizer_args(t, required=True)
     _encoding_args(t)
     _record_args(t)
+    _chat_args(t, template_default=None)
 
     m = dsub.add_parser("merge", help="concatenate indexed datasets of one dtype into one")
     m.add_argument("prefixes", nargs="+", metavar="PREFIX",
                    help="indexed datasets: a prefix, its .bin/.idx, or the --output-prefix given to tokenize")
     m.add_argument("--output-prefix", required=True, metavar="OUT", help="writes OUT.bin and OUT.idx")
 
-    i = dsub.add_parser("inspect", help="show the first documents as text and as a table of token ids and pieces")
+    i = dsub.add_parser("inspect", help="show the first documents as text and as a table of token ids and pieces "
+                                        "(and labels, beside a label dataset)")
     i.add_argument("path", help="an indexed dataset prefix, a token Parquet file, or raw JSONL/Parquet text "
                                 "(raw text needs --tokenizer)")
     i.add_argument("-n", type=int, default=5, metavar="N", help="how many documents (default: 5)")
@@ -36,12 +38,15 @@ def add_data(sub, name: str) -> None:
                    help="rows of each token table (default: 64; 0: all)")
     i.add_argument("--text-key", default="text", metavar="KEY",
                    help="the JSON field or Parquet column of the text (default: text)")
+    i.add_argument("--split-on-blank-lines", action="store_true",
+                   help=".txt input: each paragraph (lines between blank lines) is a document, not the whole file")
     _tokenizer_args(i, required=False)
 
-    c = dsub.add_parser("count", help="count the tokens of every document")
-    c.add_argument("inputs", nargs="+", metavar="INPUT", help=INPUTS_HELP)
+    c = dsub.add_parser("count", help="count the tokens of every document, or of every sequence of indexed datasets")
+    c.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help=INPUTS_HELP + "; or indexed dataset prefixes (counted from their index, no --tokenizer)")
     c.add_argument("--output", help="write the count of each document there, one number per line")
-    _tokenizer_args(c, required=True)
+    _tokenizer_args(c, required=False)
     _encoding_args(c)
     _record_args(c)
 
@@ -61,25 +66,43 @@ def add_data(sub, name: str) -> None:
     k.add_argument("--output", required=True, metavar="DIR", help="writes DIR/part-00000.parquet, ...")
     k.add_argument("--seq-len", type=int, required=True, metavar="N", help="tokens per row")
     _tokenizer_args(k, required=True)
-    k.add_argument("--template", default="chatml", metavar="T",
-                   help="chatml, llama3, gemma, jinja (the chat_template of tokenizer_config.json) or markers "
-                        "(default: chatml)")
-    k.add_argument("--chat-template", metavar="PATH",
-                   help="--template jinja: a tokenizer_config.json or its directory (default: the one beside "
-                        "--tokenizer)")
-    k.add_argument("--mask", default="assistant_only", metavar="M",
-                   help="the tokens trained: assistant_only, all or last_assistant_only (default: assistant_only)")
+    _chat_args(k, template_default="chatml")
     k.add_argument("--seed", type=int, default=0, help="orders equal lengths and the rows (default: 0)")
     k.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
                    help="a conversation longer than --seq-len is cut to fit or left out (default: truncate)")
-    k.add_argument("--messages-key", default="messages", metavar="KEY",
-                   help="the field of a conversation's [{role, content}] list (default: messages)")
-    k.add_argument("--system-prompt", metavar="TEXT", help="a system message for conversations that have none")
     k.add_argument("--workers", type=int, default=1, metavar="N",
                    help="encoding processes (default: 1); the output does not depend on it")
     k.add_argument("--rows-per-file", type=int, default=8192, metavar="N",
                    help="rows per output file (default: 8192)")
     _record_args(k)
+
+
+def _chat_args(p, template_default: str | None) -> None:
+    """How conversations become tokens and labels: the `data.sft` values."""
+    default = f"default: {template_default}" if template_default else "without it, each record is a plain document"
+    p.add_argument("--template", default=template_default, metavar="T",
+                   help=f"chatml, llama3, gemma, jinja (the chat_template of tokenizer_config.json) or markers "
+                        f"({default})")
+    p.add_argument("--chat-template", metavar="PATH",
+                   help="--template jinja: a tokenizer_config.json or its directory (default: the one beside "
+                        "--tokenizer)")
+    p.add_argument("--mask", default=None, metavar="M",
+                   help="the tokens trained: assistant_only, all or last_assistant_only (default: assistant_only)")
+    p.add_argument("--messages-key", default="messages", metavar="KEY",
+                   help="the field of a conversation's [{role, content}] list (default: messages)")
+    p.add_argument("--system-prompt", metavar="TEXT", help="a system message for conversations that have none")
+
+
+def _chat(args) -> dict | None:
+    """The `data.sft` values of `--template` and its options, None without --template (the others then refused)."""
+    if args.template is None:
+        given = [o for o, v in (("--mask", args.mask), ("--chat-template", args.chat_template),
+                                ("--system-prompt", args.system_prompt)) if v is not None]
+        if given:
+            raise ValueError(f"{given[0]} applies to conversations: pass --template too")
+        return None
+    return {"template": args.template, "mask": args.mask or "assistant_only", "messages_key": args.messages_key,
+            "system_prompt": args.system_prompt, "chat_template_path": args.chat_template}
 
 
 def _tokenizer_args(p, required: bool) -> None:
@@ -101,6 +124,8 @@ def _encoding_args(p) -> None:
     p.add_argument("--add-bos", action="store_true", help="put the tokenizer's BOS id before each document")
     p.add_argument("--chunk-size", type=int, default=1000, metavar="N",
                    help="documents per encode_batch call (default: 1000)")
+    p.add_argument("--split-on-blank-lines", action="store_true",
+                   help=".txt inputs: each paragraph (lines between blank lines) is a document, not the whole file")
 
 
 def _record_args(p) -> None:
@@ -135,13 +160,15 @@ def run_data(args) -> None:
 
         summary = tokenize(args.inputs, args.output_prefix, _data_tokenizer(args), workers=args.workers,
                            append_eod=args.append_eod, add_bos=args.add_bos, text_key=args.text_key,
-                           fmt=args.format, skip_invalid=args.skip_invalid, chunk_size=args.chunk_size)
+                           fmt=args.format, skip_invalid=args.skip_invalid, chunk_size=args.chunk_size,
+                           split_on_blank_lines=args.split_on_blank_lines, chat=_chat(args))
     elif action == "count":
         from maester.tools.data_tokenize import count
 
         summary = count(args.inputs, _data_tokenizer(args), output=args.output, workers=args.workers,
                         append_eod=args.append_eod, add_bos=args.add_bos, text_key=args.text_key,
-                        skip_invalid=args.skip_invalid, chunk_size=args.chunk_size)
+                        skip_invalid=args.skip_invalid, chunk_size=args.chunk_size,
+                        split_on_blank_lines=args.split_on_blank_lines)
     elif action == "merge":
         from maester.tools.data_merge import merge
 
@@ -150,12 +177,12 @@ def run_data(args) -> None:
         from maester.tools.data_inspect import inspect
 
         summary = inspect(args.path, args.n, _data_tokenizer(args), text_key=args.text_key,
-                          max_tokens=args.max_tokens)
+                          max_tokens=args.max_tokens, split_on_blank_lines=args.split_on_blank_lines)
     elif action == "pack":
         from maester.tools.data_pack import pack
 
         summary = pack(args.inputs, args.output, _data_tokenizer(args), seq_len=args.seq_len, template=args.template,
-                       mask=args.mask, seed=args.seed, overlong=args.overlong, messages_key=args.messages_key,
+                       mask=args.mask or "assistant_only", seed=args.seed, overlong=args.overlong, messages_key=args.messages_key,
                        text_key=args.text_key, system_prompt=args.system_prompt, chat_template=args.chat_template,
                        skip_invalid=args.skip_invalid, workers=args.workers, rows_per_file=args.rows_per_file)
     else:

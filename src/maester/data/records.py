@@ -1,4 +1,5 @@
-"""The one reader of JSONL (plain, `.gz`, `.zst`) and Parquet records, each bad one named by file and position.
+"""The one reader of JSONL (plain, `.gz`, `.zst`) and Parquet records and plain `.txt` documents, each bad one named
+by file and position.
 
 `maester data` streams records with `RecordReader`; pretraining (`text_files.TextSource`) reads the same files in
 pieces, through `JsonlLines`, `parquet_row_groups` and `read_row_group`, and makes each record a document with
@@ -33,13 +34,15 @@ from typing import NamedTuple
 
 import numpy as np
 
+from maester.data.zstd_frames import ZstdFrames
+
 # Suffix -> format, longest first so that `.jsonl.gz` is not taken for `.gz`.
 SUFFIX_FORMATS = (
     (".jsonl.zstd", "jsonl.zst"), (".jsonl.zst", "jsonl.zst"), (".json.zst", "jsonl.zst"),
     (".jsonl.gz", "jsonl.gz"), (".json.gz", "jsonl.gz"),
-    (".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"),
+    (".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"), (".txt", "txt"),
 )
-SUFFIXES_HELP = ".jsonl, .jsonl.gz, .jsonl.zst, .parquet"
+SUFFIXES_HELP = ".jsonl, .jsonl.gz, .jsonl.zst, .parquet, .txt"
 
 # How to read another field or column, said when the one asked for is missing.
 TEXT_KEY_HINT = "pass --text-key to read another field or column"
@@ -96,7 +99,7 @@ def _where(path: Path, line: int | None, row: int | None) -> str:
 # --- finding the files ---------------------------------------------------------------------------------------------
 
 def input_format(path: Path) -> str:
-    """`jsonl`, `jsonl.gz`, `jsonl.zst` or `parquet`, from the file name; other suffixes are an error."""
+    """`jsonl`, `jsonl.gz`, `jsonl.zst`, `parquet` or `txt`, from the file name; other suffixes are an error."""
     found = _format_or_none(path)
     if found is None:
         raise ValueError(f"{path}: cannot tell the format from the file name; expected one of {SUFFIXES_HELP}")
@@ -114,7 +117,7 @@ def file_format(path: Path, given: str = "auto") -> str:
     if given == "auto":
         return input_format(path)
     found = _format_or_none(path)
-    return found if given == "jsonl" and found and found != "parquet" else given
+    return found if given == "jsonl" and found and found.startswith("jsonl") else given
 
 
 def resolve_inputs(inputs: Sequence[str | os.PathLike], fmt: str = "auto") -> list[Path]:
@@ -133,6 +136,7 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike], fmt: str = "auto") -> li
                             and _format_or_none(p)), key=str)
             if not found:
                 raise FileNotFoundError(f"{text}: the directory holds no {SUFFIXES_HELP} files")
+            _one_kind_in_directory(text, found)
         elif any(ch in text for ch in "*?["):
             found = sorted((Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file()), key=str)
             if not found:
@@ -145,52 +149,81 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike], fmt: str = "auto") -> li
     return files
 
 
+def _one_kind_in_directory(directory: str, found: list[Path]) -> None:
+    """A directory holds .txt documents or records, not both: a README.txt beside JSONL shards is not data."""
+    texts = [p for p in found if _format_or_none(p) == "txt"]
+    if texts and len(texts) < len(found):
+        other = next(p for p in found if p not in texts)
+        raise ValueError(f"{directory}: the directory holds both .txt documents ({texts[0]}) and records ({other}); "
+                         f"give the files, or a glob of one kind")
+
+
+# --- plain text -----------------------------------------------------------------------------------------------
+
+class TextFileDocuments:
+    """The documents of a plain `.txt` file by number: the whole file (a UTF-8 byte order mark dropped), or with
+    `split_on_blank_lines` each paragraph, its lines between blank (or whitespace-only) lines, without the last line
+    break. Only each document's byte span and first line are kept; `read` reads a piece."""
+
+    def __init__(self, path: Path, split_on_blank_lines: bool = False):
+        self.path = path
+        spans: list[tuple[int, int, int]] = []  # first byte, end byte, first line (1-based)
+        try:
+            with open(path, "rb") as f:
+                if not split_on_blank_lines:
+                    spans.append((3 if f.read(3) == codecs.BOM_UTF8 else 0, os.fstat(f.fileno()).st_size, 1))
+                else:
+                    spans = _paragraphs(f)
+        except OSError as e:
+            raise UnreadableFile(f"{path}: cannot be read: {e}") from e
+        self.spans = np.array(spans, dtype=np.int64).reshape(-1, 3)
+        self.count = len(self.spans)
+
+    def read(self, first: int, count: int) -> list[tuple[int, bytes]]:
+        """(first line, raw bytes) of the `count` documents after the first `first`."""
+        spans = self.spans[first:first + count]
+        if not len(spans):
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(int(spans[0, 0]))
+            blob = f.read(int(spans[-1, 1] - spans[0, 0]))
+        base = int(spans[0, 0])
+        return [(line, blob[a - base:b - base]) for a, b, line in spans.tolist()]
+
+
+def _paragraphs(f) -> list[tuple[int, int, int]]:
+    spans, pos, start, end, first = [], 0, -1, 0, 0
+    for lineno, raw in enumerate(f, 1):
+        skip = len(codecs.BOM_UTF8) if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+        if raw.strip():
+            if start < 0:
+                start, first = pos + skip, lineno
+            end = pos + len(raw.rstrip(b"\r\n"))
+        elif start >= 0:
+            spans.append((start, end, first))
+            start = -1
+        pos += len(raw)
+    return spans + ([(start, end, first)] if start >= 0 else [])
+
+
+def document_of_text(raw: bytes, path: Path, lineno: int) -> str:
+    """A `.txt` document from its bytes; InvalidRecord if it is not UTF-8 or empty."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRecord(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the document)", INVALID_UTF8) from None
+    if not text:
+        raise InvalidRecord(f"{path}:{lineno}: an empty document", EMPTY_DOCUMENT)
+    return text
+
+
 # --- JSONL ------------------------------------------------------------------------------------------------------
-
-class _ZstdFrames(io.RawIOBase):
-    """The decompressed bytes of every frame of a zstd file. A file that ends inside a frame is an error
-    (zstandard's own stream reader returns the partial frame without one)."""
-
-    def __init__(self, path: Path):
-        import zstandard
-
-        self._dctx = zstandard.ZstdDecompressor()
-        self._file = open(path, "rb")
-        self._frame = None  # the decompressor of the frame being read; None between frames
-        self._pending = memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not len(self._pending):
-            if self._frame is not None and self._frame.eof:
-                data = self._frame.unused_data or self._file.read(_READ_BYTES)
-                self._frame = None
-            else:
-                data = self._file.read(_READ_BYTES)
-            if not data:
-                if self._frame is not None:
-                    raise EOFError("the file ends inside a zstd frame (truncated)")
-                return 0
-            if self._frame is None:
-                self._frame = self._dctx.decompressobj()
-            self._pending = memoryview(self._frame.decompress(data))
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
-
 
 def _open_jsonl(path: Path, fmt: str):
     if fmt == "jsonl.gz":
         return gzip.open(path, "rb")
     if fmt == "jsonl.zst":
-        return io.BufferedReader(_ZstdFrames(path), _READ_BYTES)
+        return io.BufferedReader(ZstdFrames(path), _READ_BYTES)
     return open(path, "rb", buffering=_READ_BYTES)
 
 
@@ -415,13 +448,15 @@ class RecordReader:
 
     `skip_invalid`: skip bad records and count them in `skipped` by reason, instead of raising InvalidRecord.
     `fmt`: the format of every file, when not told by its name; `hint`: how to read another field or column.
+    `split_on_blank_lines`: a `.txt` file holds one document per paragraph, not one in all.
     """
 
     def __init__(self, inputs: Sequence[str | os.PathLike], text_key: str = "text", skip_invalid: bool = False,
-                 fmt: str = "auto", hint: str = TEXT_KEY_HINT):
+                 fmt: str = "auto", hint: str = TEXT_KEY_HINT, split_on_blank_lines: bool = False):
         self.files = resolve_inputs(inputs, fmt)
         self.formats = [file_format(path, fmt) for path in self.files]
         self.text_key, self.hint = text_key, hint
+        self.split_on_blank_lines = split_on_blank_lines
         self.skip_invalid = skip_invalid
         self.skipped: Counter[str] = Counter()
         self.kind: str | None = None  # set by `records`: "text" or "messages"
@@ -433,6 +468,8 @@ class RecordReader:
         for path, fmt in zip(self.files, self.formats):
             if fmt == "parquet":
                 total += _open_parquet(path).metadata.num_rows
+            elif fmt == "txt":
+                total += TextFileDocuments(path, self.split_on_blank_lines).count
             elif fmt == "jsonl":
                 with open(path, "rb") as f:
                     total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
@@ -450,11 +487,21 @@ class RecordReader:
         for path, fmt in zip(self.files, self.formats):
             if fmt == "parquet":
                 yield from self._parquet_documents(path)
+            elif fmt == "txt":
+                yield from self._text_documents(path)
             else:
                 yield from self._jsonl_documents(path, fmt)
 
     def texts(self) -> Iterator[str]:
         return (doc.text for doc in self.documents())
+
+    def _text_documents(self, path: Path) -> Iterator[Document]:
+        documents = TextFileDocuments(path, self.split_on_blank_lines)
+        for lineno, raw in documents.read(0, documents.count):
+            try:
+                yield Document(document_of_text(raw, path, lineno), path, line=lineno)
+            except InvalidRecord as e:
+                self._invalid(e)
 
     def _jsonl_documents(self, path: Path, fmt: str) -> Iterator[Document]:
         for lineno, raw in _jsonl_lines(path, fmt):
@@ -486,7 +533,10 @@ class RecordReader:
         """
         self.kind = None if messages_key else "text"
         for path, fmt in zip(self.files, self.formats):
-            rows = self._parquet_rows(path, messages_key) if fmt == "parquet" else self._jsonl_rows(path, fmt)
+            if fmt == "txt":
+                rows = ((doc.where, {self.text_key: doc.text}) for doc in self._text_documents(path))
+            else:
+                rows = self._parquet_rows(path, messages_key) if fmt == "parquet" else self._jsonl_rows(path, fmt)
             for where, record in rows:
                 try:
                     kind = self.kind or ("messages" if messages_key in record and self.text_key not in record

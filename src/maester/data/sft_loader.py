@@ -143,13 +143,20 @@ def _take_rows(rows: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.nd
 
 def load_source(cfg: DataSourceConfig, data: DataConfig, tokenizer_cfg: TokenizerConfig,
                 vocab_size: int) -> SFTSource:
-    """Read, encode (in `data.num_workers` processes), fit to `seq_len` and split one source. Bad records raise
-    (naming file and line or row) unless `data.skip_invalid`, which counts them instead."""
-    from maester.data.packing import fit_length
-    from maester.data.records import InvalidRecord, RecordReader, file_format
-    from maester.data.text_files import TEXT_COLUMN_HINT, resolve_files
-    from maester.data.worker_pool import chunked, map_in_order
+    """Read, encode (in `data.num_workers` processes), fit to `seq_len` and split one source: conversations in
+    records, conversations tokenized into an indexed dataset with its labels, or rows packed offline. Bad records
+    raise (naming file and line or row) unless `data.skip_invalid`, which counts them instead."""
+    from maester.data.records import file_format
+    from maester.data.text_files import resolve_files
+    from maester.data.token_loader import source_format
 
+    if source_format(cfg) == "indexed":
+        from maester.data.sft_indexed import label_prefix_of, read_conversations
+
+        labels = cfg.label_path or label_prefix_of(cfg.path)
+        source = SFTSource(cfg, [Path(f"{prefix}.{ext}") for prefix in (cfg.path, labels) for ext in ("idx", "bin")])
+        _keep_fitted(source, read_conversations(cfg.path, labels, vocab_size), data)
+        return source
     files = resolve_files(cfg)
     source = SFTSource(cfg, files)
     packed = [f for f in files if is_packed_file(f, file_format(f, cfg.format))]
@@ -162,33 +169,53 @@ def load_source(cfg: DataSourceConfig, data: DataConfig, tokenizer_cfg: Tokenize
         source.packed, source.packed_validation = _take_rows(rows, ~held), _take_rows(rows, held)
         source.counts["rows"] = len(rows["input_ids"])
         return source
+    _keep_fitted(source, _encoded_records(source, data, tokenizer_cfg), data)
+    return source
 
-    reader = RecordReader(files, text_key=cfg.text_column, skip_invalid=data.skip_invalid, fmt=cfg.format,
-                          hint=TEXT_COLUMN_HINT)
+
+def _encoded_records(source: SFTSource, data: DataConfig, tokenizer_cfg: TokenizerConfig):
+    """(tokens, labels) of each record of a source, or the InvalidRecord it raised (`data.skip_invalid`); the
+    reader's own skips are counted at the end."""
+    from maester.data.records import RecordReader
+    from maester.data.text_files import TEXT_COLUMN_HINT
+    from maester.data.worker_pool import chunked, map_in_order
+
+    cfg = source.cfg
+    reader = RecordReader(source.files, text_key=cfg.text_column, skip_invalid=data.skip_invalid, fmt=cfg.format,
+                          hint=TEXT_COLUMN_HINT, split_on_blank_lines=cfg.split_on_blank_lines)
     records = reader.records(None if data.sft.template == "markers" else data.sft.messages_key)
-    examples = []
     args = (tokenizer_cfg, data.sft, cfg.text_column, data.skip_invalid)
     for results in map_in_order(RecordEncoder, args, chunked(records, 256), max(1, data.num_workers)):
-        for result in results:
-            source.counts["read"] += 1
-            if isinstance(result, InvalidRecord):
-                source.counts["skipped"] += 1
-                continue
-            fitted = fit_length(result[0], result[1], data.seq_len, data.sft.overlong)
-            if fitted is None:
-                source.counts["dropped"] += 1
-                continue
-            source.counts["truncated"] += len(fitted[0]) < len(result[0])
-            source.counts["kept"] += 1
-            examples.append(fitted)
+        yield from results
     source.counts["skipped"] += sum(reader.skipped.values())
+
+
+def _keep_fitted(source: SFTSource, encoded, data: DataConfig) -> None:
+    """Fit each encoded conversation to `data.seq_len` (`data.sft.overlong`), count what happened, and split off
+    the validation part."""
+    from maester.data.packing import fit_length
+    from maester.data.records import InvalidRecord
+
+    examples = []
+    for result in encoded:
+        source.counts["read"] += 1
+        if isinstance(result, InvalidRecord):
+            source.counts["skipped"] += 1
+            continue
+        fitted = fit_length(result[0], result[1], data.seq_len, data.sft.overlong)
+        if fitted is None:
+            source.counts["dropped"] += 1
+            continue
+        source.counts["truncated"] += len(fitted[0]) < len(result[0])
+        source.counts["kept"] += 1
+        examples.append(fitted)
+    cfg = source.cfg
     held = _held_out(cfg.display_name(), len(examples), cfg.validation_fraction)
     source.train = [e for e, h in zip(examples, held) if not h]
     source.validation = [e for e, h in zip(examples, held) if h]
     if not source.train:
         raise ValueError(f"data source {cfg.path!r}: no conversation left to train on "
                          f"({dict(source.counts)}, validation_fraction {cfg.validation_fraction})")
-    return source
 
 
 def weighted_indices(n: int, weight: float, key: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Raw text documents in Parquet or JSONL files as a pretraining source: the files of a data source, their
+"""Raw text documents in Parquet, JSONL or plain `.txt` files as a pretraining source: the files of a data source, their
 records in chunks that can be read in any order, every bad record as its error naming file and line or row.
 
 Reading is `records`' (the one reader of JSONL and Parquet, also behind `maester data`): the same files, suffixes,
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maester.config import DataSourceConfig
-from maester.data.records import (InvalidRecord, JsonlLines, check_document, document_of_line,
-                                  file_format, parquet_row_groups, read_row_group, resolve_inputs)
+from maester.data.records import (InvalidRecord, JsonlLines, TextFileDocuments, check_document, document_of_line,
+                                  document_of_text, file_format, parquet_row_groups, read_row_group, resolve_inputs)
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,14 @@ class TextSource:
         self.chunks: list[Chunk] = []
         self._row_groups: dict[int, list[tuple[int, int]]] = {}  # parquet file -> (first row, rows) per group
         self._lines: dict[int, JsonlLines] = {}  # jsonl file -> its lines
+        self._texts: dict[int, TextFileDocuments] = {}  # txt file -> its documents
         self.num_rows = 0
         for i, (path, fmt) in enumerate(zip(self.files, self.formats)):
             if fmt == "parquet":
                 spans = self._row_groups[i] = parquet_row_groups(path, self.column, TEXT_COLUMN_HINT)
+            elif fmt == "txt":
+                self._texts[i] = TextFileDocuments(path, cfg.split_on_blank_lines)
+                spans = [(0, self._texts[i].count)]
             else:
                 self._lines[i] = JsonlLines(path, fmt)
                 spans = [(0, self._lines[i].count)]
@@ -75,7 +79,7 @@ class TextSource:
                     self.chunks.append(Chunk(i, start, min(chunk_documents, first + rows - start)))
                 self.num_rows += rows
             pieces = len(self.chunks) - pieces
-            if fmt != "jsonl" and fmt != "parquet" and pieces > WARN_COMPRESSED_PIECES:
+            if fmt in ("jsonl.gz", "jsonl.zst") and pieces > WARN_COMPRESSED_PIECES:
                 log.warning("%s is compressed and read in %d chunks of %d documents; each chunk decompresses it from "
                             "its start (about %d passes over the file in an epoch). Decompress it, or tokenize it "
                             "once with `maester data tokenize`, to read it in one pass",
@@ -97,6 +101,9 @@ class TextSource:
     def read(self, chunk: Chunk) -> list[str | InvalidRecord]:
         """The documents of a chunk in row order; a bad record is returned as its InvalidRecord."""
         path = self.files[chunk.file]
+        if chunk.file in self._texts:
+            return [_document_or_error(document_of_text, raw, path, lineno)
+                    for lineno, raw in self._texts[chunk.file].read(chunk.start, chunk.rows)]
         if chunk.file in self._lines:
             return [_document_or_error(document_of_line, raw, path, lineno, self.column, TEXT_COLUMN_HINT)
                     for lineno, raw in self._lines[chunk.file].read(chunk.start, chunk.rows)]

@@ -92,7 +92,8 @@ class _PackedParquetFiles:
 
 # --- the command ------------------------------------------------------------------------------------------------
 
-def _sft_config(**values) -> SFTConfig:
+def sft_config(**values) -> SFTConfig:
+    """The `data.sft` section of command-line options; a bad value is named by its option."""
     from pydantic import ValidationError
 
     try:
@@ -118,7 +119,7 @@ def pack(inputs: Sequence[str], output_dir: str, tokenizer: TokenizerConfig, *, 
         raise ValueError(f"--seed must be at least 0, got {seed}")
     if overlong not in OVERLONG:
         raise ValueError(f"--overlong must be truncate or drop, got {overlong!r}")
-    sft = _sft_config(template=template, mask=mask, messages_key=messages_key, system_prompt=system_prompt,
+    sft = sft_config(template=template, mask=mask, messages_key=messages_key, system_prompt=system_prompt,
                       chat_template_path=chat_template, overlong=overlong)
     directory = Path(output_dir)
     old = sorted(directory.glob("part-*")) if directory.is_dir() else []

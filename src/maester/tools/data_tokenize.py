@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -254,14 +255,26 @@ def _check_at_least_one(**options: int) -> None:
 
 def tokenize(inputs: Sequence[str], output_prefix: str, tokenizer: TokenizerConfig, *, workers: int = 1,
              append_eod: bool = False, add_bos: bool = False, text_key: str = "text", fmt: str = "indexed",
-             skip_invalid: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Summary:
+             skip_invalid: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, split_on_blank_lines: bool = False,
+             chat: dict | None = None) -> Summary:
     """Tokenize every document of `inputs` into `<output_prefix>_<text_key>_document.bin/.idx` (fmt "indexed")
-    or `<output_prefix>.parquet` (fmt "parquet")."""
+    or `<output_prefix>.parquet` (fmt "parquet"). With `chat` (the `data.sft` values: template, mask, ...), every
+    record is a conversation, written with its labels by `tokenize_conversations`."""
     if fmt not in ("indexed", "parquet"):
         raise ValueError(f"--format must be indexed or parquet, got {fmt!r}")
     _check_at_least_one(workers=workers, chunk_size=chunk_size)
-    reader = RecordReader(inputs, text_key=text_key, skip_invalid=skip_invalid)
+    reader = RecordReader(inputs, text_key=text_key, skip_invalid=skip_invalid,
+                          split_on_blank_lines=split_on_blank_lines)
     total = reader.count_records()  # an unreadable file fails here, before any output
+    if chat is not None:
+        given = [name for name, on in (("--append-eod", append_eod), ("--add-bos", add_bos),
+                                       ("--format parquet", fmt == "parquet")) if on]
+        if given:
+            raise ValueError(f"{given[0]} does not apply with --template: the template writes each conversation's "
+                             f"tokens, and conversations go to an indexed dataset with its labels (`maester data "
+                             f"pack` writes packed Parquet rows)")
+        return tokenize_conversations(reader, total, output_prefix, tokenizer, chat, workers=workers,
+                                      chunk_size=chunk_size)
     probe = ChunkEncoder(tokenizer, np.int64, append_eod, add_bos)  # a bad tokenizer fails here, before any output
     dtype = best_dtype(probe.tokenizer.vocab_size) if fmt == "indexed" else np.dtype(np.int32)
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
@@ -281,14 +294,110 @@ def tokenize(inputs: Sequence[str], output_prefix: str, tokenizer: TokenizerConf
     return summary
 
 
-def count(inputs: Sequence[str], tokenizer: TokenizerConfig, *, output: str | None = None, workers: int = 1,
+def tokenize_conversations(reader: RecordReader, total: int | None, output_prefix: str, tokenizer: TokenizerConfig,
+                           chat: dict, *, workers: int = 1, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Summary:
+    """Each record a conversation, encoded as `data.sft` would in training (`chat`: its values), written as
+    `<output_prefix>_text_document` and `<output_prefix>_label_document` (one sequence per conversation)."""
+    from maester.data.batch import IGNORE_INDEX
+    from maester.data.records import InvalidRecord
+    from maester.data.sft_indexed import ConversationWriter
+    from maester.data.sft_loader import RecordEncoder
+    from maester.tools.data_pack import sft_config
+
+    sft = sft_config(**chat)
+    init_args = (tokenizer, sft, reader.text_key, reader.skip_invalid)
+    RecordEncoder(*init_args)  # a bad tokenizer or template fails here, before any output
+    records = reader.records(None if sft.template == "markers" else sft.messages_key)
+    summary = Summary("tokenize", tokens=0)
+    skipped: Counter[str] = Counter()
+    trained = 0
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    with Progress("tokenize", summary, total) as progress, ConversationWriter(output_prefix) as out:
+        for results in map_in_order(RecordEncoder, init_args, chunked(records, chunk_size), workers):
+            tokens = 0
+            for result in results:
+                if isinstance(result, InvalidRecord):
+                    skipped[result.reason] += 1
+                    continue
+                out.add(*result)
+                tokens += len(result[0])
+                trained += int((result[1] != IGNORE_INDEX).sum())
+            progress.update(len(results), tokens)
+    skipped.update(reader.skipped)
+    summary.skipped = skipped
+    summary.extra = {"trained": trained, "dtype": "int32", "template": sft.template, "mask": sft.mask,
+                     "output": f"{out.text_prefix}.bin/.idx, {out.label_prefix}.bin/.idx"}
+    return summary
+
+
+def indexed_prefixes(inputs: Sequence[str]) -> list[str] | None:
+    """The prefixes of `inputs` when every one names an indexed dataset, None when none does; a mix is an error."""
+    found = []
+    for given in inputs:
+        try:
+            found.append(resolve_indexed_prefix(given))
+        except FileNotFoundError:
+            found.append(None)
+    if all(p is None for p in found):
+        return None
+    if any(p is None for p in found):
+        indexed = next(given for given, prefix in zip(inputs, found) if prefix is not None)
+        raise ValueError(f"{inputs[found.index(None)]} is not an indexed dataset, but {indexed} is: count indexed "
+                         f"datasets and documents separately")
+    return found
+
+
+def count_indexed(prefixes: Sequence[str], output: str | None = None) -> Summary:
+    """The tokens of every sequence of existing indexed datasets, from their index (as GPT-NeoX's
+    `count_tokens.py`); with `output`, one count per line there. Beside a label dataset (`_label_document`), the
+    tokens it trains are counted too."""
+    from maester.data.indexed import IndexedDataset
+    from maester.data.sft_indexed import LABEL_DOCUMENT, TEXT_DOCUMENT, open_pair, trained_tokens
+
+    summary = Summary("count", tokens=0)
+    longest, trained = 0, None
+    with Progress("count", summary) as progress, AtomicOutputs() as outputs:
+        out = open(outputs.temp_for(Path(output)), "w") if output else None
+        try:
+            for prefix in prefixes:
+                labels = prefix[:-len(TEXT_DOCUMENT)] + LABEL_DOCUMENT if prefix.endswith(TEXT_DOCUMENT) else None
+                if labels is not None and Path(f"{labels}.idx").is_file():
+                    ds, label_ds = open_pair(prefix, labels)
+                    trained = (trained or 0) + trained_tokens(label_ds)
+                else:
+                    ds = IndexedDataset(prefix)
+                sizes = np.asarray(ds.sizes, dtype=np.int64)
+                if out is not None:
+                    out.write("".join(f"{n}\n" for n in sizes.tolist()))
+                longest = max(longest, int(sizes.max()) if len(sizes) else 0)
+                progress.update(len(sizes), int(sizes.sum()))
+        finally:
+            if out is not None:
+                out.close()
+    summary.extra = {"mean": f"{summary.tokens / summary.documents if summary.documents else 0.0:.2f}",
+                     "max": longest}
+    if trained is not None:
+        summary.extra["trained"] = trained
+    if output:
+        summary.extra["output"] = output
+    return summary
+
+
+def count(inputs: Sequence[str], tokenizer: TokenizerConfig | None, *, output: str | None = None, workers: int = 1,
           append_eod: bool = False, add_bos: bool = False, text_key: str = "text", skip_invalid: bool = False,
-          chunk_size: int = DEFAULT_CHUNK_SIZE) -> Summary:
-    """Count the tokens of every document; with `output`, write one count per line there."""
+          chunk_size: int = DEFAULT_CHUNK_SIZE, split_on_blank_lines: bool = False) -> Summary:
+    """Count the tokens of every document (or of every sequence of indexed datasets); with `output`, write one
+    count per line there."""
     _check_at_least_one(workers=workers, chunk_size=chunk_size)
     if output and Path(output).is_dir():
         raise ValueError(f"--output {output} is a directory: give the file to write the counts to")
-    reader = RecordReader(inputs, text_key=text_key, skip_invalid=skip_invalid)
+    prefixes = indexed_prefixes(inputs)
+    if prefixes is not None:
+        return count_indexed(prefixes, output)
+    if tokenizer is None:
+        raise ValueError("--tokenizer is needed to count the tokens of documents (not of an indexed dataset)")
+    reader = RecordReader(inputs, text_key=text_key, skip_invalid=skip_invalid,
+                          split_on_blank_lines=split_on_blank_lines)
     ChunkEncoder(tokenizer, np.int64, append_eod, add_bos)  # a bad tokenizer fails here, before any output
     summary = Summary("count", tokens=0)
     longest = 0
