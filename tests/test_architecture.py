@@ -21,7 +21,7 @@ LAYERS = [
     # the ground floor: files, progress bars, the config sections' base class and error messages, exit codes
     ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes"),
     ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
-    ("maester.config", "maester.config_job", "maester.config_sources"),  # the config tree, its sources
+    ("maester.config", "maester.config_data", "maester.config_job", "maester.config_sources"),  # the tree, its sources
     ("maester.data", "maester.parallel"),  # loaders; device meshes, sharding, precision, preflight
     ("maester.train",),  # the trainer, checkpoints, optimizers, metrics
     ("maester.jobs",),  # job directories, SLURM scripts, sweeps
