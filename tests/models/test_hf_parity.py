@@ -7,15 +7,8 @@ import pytest
 import torch
 
 from maester.models.args import RopeScaling, TransformerArgs
-from maester.models.hf import (
-    args_from_hf,
-    hf_config,
-    read_hf_config,
-    read_hf_tensors,
-    state_dict_from_hf,
-    state_dict_to_hf,
-    write_hf_tensors,
-)
+from maester.models.hf import args_from_hf, hf_config, read_hf_config
+from maester.models.hf_tensors import read_hf_tensors, state_dict_from_hf, state_dict_to_hf, write_hf_tensors
 from maester.models.registry import ARCHITECTURES
 from maester.models.transformer import Transformer
 

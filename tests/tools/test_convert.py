@@ -15,7 +15,8 @@ from maester.cli import main
 from maester.data.tokenizers import ByteTokenizer
 from maester.models.args import TransformerArgs
 from maester.models.flavors import LLAMA_FLAVORS
-from maester.models.hf import args_from_hf, hf_config, read_hf_config, read_hf_tensors, state_dict_from_hf
+from maester.models.hf import args_from_hf, hf_config, read_hf_config
+from maester.models.hf_tensors import read_hf_tensors, state_dict_from_hf
 from maester.models.registry import ARCHITECTURES
 from maester.tools.convert import choose_flavor, to_hf, write_byte_tokenizer
 from maester.tools.generate import load_for_inference, read_prompts, sample

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from maester.config import ConfigError, load_config
 from maester.data.batch import IGNORE_INDEX
 from maester.jobs.job_dir import write_job_dir
-from maester.models.hf import read_hf_tensors, state_dict_from_hf
+from maester.models.hf_tensors import read_hf_tensors, state_dict_from_hf
 from maester.tools.convert import from_hf
 from maester.train.checkpoint import resolve_checkpoint
 from maester.train.checkpoint_files import read_trainer_state

@@ -3,7 +3,7 @@
 A block is attention then MLP, each a residual branch; `TransformerArgs` picks the norm kind and where it
 sits (pre, post or both), QK-norm, the MLP kind, biases, partial rotary, sliding-window layers and a parallel
 residual. Parameter names are the same for every architecture, so parallel plans and checkpoints need no
-per-model code; `maester.models.hf` maps them to and from Hugging Face names.
+per-model code; `maester.models.hf` and `hf_tensors` map them to and from Hugging Face names.
 μP (`TransformerArgs.mup`) changes the init of the block matrices and three scalars (embedding multiplier,
 attention scale, output multiplier); `parameter_roles` tells the optimizer which parameters are which.
 """

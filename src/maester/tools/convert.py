@@ -33,16 +33,8 @@ from maester.parallel.precision import DTYPES
 from maester.tools.hf_dir import hf_tokenizer_settings
 from maester.models.args import TransformerArgs
 from maester.progress import stages
-from maester.models.hf import (
-    check_convertible,
-    hf_config,
-    read_hf_config,
-    read_hf_tensors,
-    state_dict_from_hf,
-    state_dict_to_hf,
-    transformer_args_from_hf,
-    write_hf_tensors,
-)
+from maester.models.hf import check_convertible, hf_config, read_hf_config, transformer_args_from_hf
+from maester.models.hf_tensors import read_hf_tensors, state_dict_from_hf, state_dict_to_hf, write_hf_tensors
 from maester.models.registry import ARCHITECTURES
 
 # Tokenizer files an HF directory may hold; tokenizer.json is the one maester reads, the others name its special

@@ -56,7 +56,8 @@ def load_hf_weights(path: Path, model: nn.Module, name: str, where: str) -> None
 
 def _read_hf_state(path: Path, model: nn.Module, name: str, where: str) -> dict[str, torch.Tensor]:
     """The full state dict of `model` from the HF directory `path`, in the model's dtypes."""
-    from maester.models.hf import read_hf_config, read_hf_tensors, state_dict_from_hf, transformer_args_from_hf
+    from maester.models.hf import read_hf_config, transformer_args_from_hf
+    from maester.models.hf_tensors import read_hf_tensors, state_dict_from_hf
 
     hf_name, hf_args = transformer_args_from_hf(read_hf_config(path), str(path / "config.json"))
     differing = hf_architecture_differences(name, model.args, hf_name, hf_args)
