@@ -32,6 +32,31 @@ def test_auto_routes_every_masked_cuda_call_to_flex(choice, device, documents, w
     assert resolve_attention(choice, device, documents, window, seq) == expected
 
 
+@pytest.mark.parametrize("choice, device, expected", [
+    ("auto", CUDA, "flex"),   # soft-capped scores: no SDPA kernel caps them
+    ("auto", CPU, "eager"),   # flex has no backward on CPU
+    ("sdpa", CUDA, "eager"),
+    ("sdpa", CPU, "eager"),
+    ("flex", CPU, "flex"),
+])
+def test_soft_capped_attention_routes_to_a_backend_that_caps(choice, device, expected):
+    assert resolve_attention(choice, device, False, None, 128, softcap=True) == expected
+    assert resolve_attention(choice, device, True, 64, 128, softcap=True) == expected
+
+
+def test_soft_capping_is_never_dropped():
+    from maester.models.args import TransformerArgs
+
+    with pytest.raises(ValueError, match="varlen.*attn_logit_softcap"):
+        resolve_attention("varlen", CUDA, True, None, 128, softcap=True)
+    with pytest.raises(ValueError, match="varlen"):
+        TransformerArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, attn_logit_softcap=50.0,
+                        attention="varlen")
+    q = k = v = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="cannot cap"):  # a mask built for SDPA
+        layers.attend(q, k, v, layers.attention_mask("sdpa", None, 1, 8, CPU, needs_grad=False), softcap=5.0)
+
+
 def tiny(name: str, precision_dtype=None):
     cfg = load_config(None, [f"--model.name={name}", "--model.flavor=tiny"], environ={})
     return build_model(cfg.model, 256, CPU, 0, cfg.mup)
@@ -100,10 +125,14 @@ def test_selective_checkpointing_with_flex_forces_compile(attention, documents, 
     from maester.parallel.parallelize import selective_checkpointing_needs_compile
 
     parallel = ParallelConfig(activation_checkpointing="selective-op", compile=compile_)
-    args = SimpleNamespace(attention=attention, sliding_window=window)
+    args = SimpleNamespace(attention=attention, sliding_window=window, attn_logit_softcap=None)
     assert selective_checkpointing_needs_compile(parallel, args, documents, 128, device) is expected
     full = ParallelConfig(activation_checkpointing="full", compile=False)
     assert not selective_checkpointing_needs_compile(full, args, documents, 128, device)
+    if attention == "auto" and device == "cuda" and not compile_:
+        # Soft-capped attention scores (Gemma 2) go to flex on CUDA even without a mask.
+        capped = SimpleNamespace(attention=attention, sliding_window=None, attn_logit_softcap=50.0)
+        assert selective_checkpointing_needs_compile(parallel, capped, False, 128, device)
 
 
 @pytest.mark.cuda

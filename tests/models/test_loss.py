@@ -30,6 +30,21 @@ def test_chunked_equals_full_logits(chunk):
     torch.testing.assert_close(cw, gw)
 
 
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_chunked_loss_soft_caps_every_chunk(chunk):
+    h, w, labels = inputs()
+    capped = 3.0 * torch.tanh(F.linear(h, w).float() / 3.0)  # Gemma 2's final soft-capping, written out
+    full = F.cross_entropy(capped.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    gh, gw = torch.autograd.grad(full, (h, w))
+    got = linear_cross_entropy_sum(h, w, labels, chunk_tokens=chunk, softcap=3.0)
+    ch, cw = torch.autograd.grad(got, (h, w))
+    torch.testing.assert_close(got, full)
+    torch.testing.assert_close(ch, gh)
+    torch.testing.assert_close(cw, gw)
+    torch.testing.assert_close(cross_entropy_sum(F.linear(h, w), labels, softcap=3.0), full)
+    assert not torch.allclose(linear_cross_entropy_sum(h, w, labels, chunk_tokens=chunk), full)
+
+
 def test_chunked_without_grad_and_under_autocast():
     h, w, labels = inputs()
     with torch.no_grad():

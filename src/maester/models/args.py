@@ -1,8 +1,8 @@
 """The arguments of a decoder-only transformer (no torch import: configs validate without it).
 
-One argument set describes every architecture in the registry: Llama, Gemma 3, Qwen 3, OLMo 2 and GPT-NeoX
-differ only in the switches below (norm kind and placement, QK-norm, MLP kind, biases, partial rotary,
-sliding windows). An architecture is a set of defaults plus named flavors (`maester.models.flavors`).
+One argument set describes every architecture in the registry: Llama, Mistral, Gemma 2 and 3, Qwen 2 and 3, OLMo 2,
+Phi-3 and GPT-NeoX differ only in the switches below (norm kind and placement, QK-norm, MLP kind, biases, partial
+rotary, sliding windows, logit soft-capping). An architecture is a set of defaults plus named flavors (`maester.models.flavors`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class TransformerArgs(BaseModel):
     qk_norm: Literal["none", "head", "full"] = "none"
     """Normalise queries and keys before RoPE: per head (Qwen 3, Gemma 3) or across all heads (OLMo 2)."""
     attention_bias: bool = False  # biases on the q, k, v and output projections
+    qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen 2)
     mlp: Literal["swiglu", "geglu", "gelu"] = "swiglu"
     """`swiglu`: down(silu(gate(x)) * up(x)); `geglu`: the same with tanh-GELU (Gemma); `gelu`: down(gelu(up(x)))
     with exact GELU (GPT-NeoX)."""
@@ -92,6 +93,11 @@ class TransformerArgs(BaseModel):
     local_rope_theta: float | None = None
     """RoPE base of the sliding-window layers, unscaled (Gemma 3: 10,000). None: the global RoPE."""
     query_pre_attn_scalar: float | None = None  # attention scale is its inverse square root; None: head_dim
+    attn_logit_softcap: float | None = Field(None, gt=0)
+    """Attention scores (after scaling, before the mask) become c * tanh(score / c) (Gemma 2). None: off. SDPA
+    cannot do it: such a model attends with FlexAttention on CUDA and in plain torch ops otherwise."""
+    final_logit_softcap: float | None = Field(None, gt=0)
+    """The output logits become c * tanh(logit / c), in the loss as well (Gemma 2). None: off."""
     embedding_scale: bool = False  # multiply embeddings by sqrt(dim) (Gemma)
     tie_embeddings: bool = False
     max_seq_len: int = 131072
@@ -119,6 +125,11 @@ class TransformerArgs(BaseModel):
             raise ValueError(f"sliding_window_pattern must be >= 0, got {self.sliding_window_pattern}")
         if self.parallel_residual and self.norm_placement != "pre":
             raise ValueError("parallel_residual needs norm_placement = 'pre'")
+        if self.qkv_bias and self.attention_bias:
+            raise ValueError("qkv_bias and attention_bias are both set: attention_bias already biases q, k and v")
+        if self.attn_logit_softcap is not None and self.attention == "varlen":
+            raise ValueError("attention = 'varlen' cannot soft-cap attention scores (attn_logit_softcap is set): use "
+                             "'auto' (FlexAttention on CUDA) or 'flex'")
         self._check_mup()
         return self
 

@@ -14,7 +14,8 @@ from maester.models.registry import ARCHITECTURES
 
 class ModelConfig(Section):
     name: str = "llama"
-    """Architecture name (see `maester.models.registry`): llama, gemma3, qwen3, olmo2, gpt_neox."""
+    """Architecture name (see `maester.models.registry`): llama, mistral, gemma2, gemma3, qwen2, qwen3, olmo2, phi3,
+    gpt_neox."""
     flavor: str = "demo"
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Any architecture field, e.g. `{n_layers = 4}`; replaced by the validated, typed values."""
@@ -29,7 +30,9 @@ class ModelConfig(Section):
     `scaled_dot_product_attention`, with a dense (batch, seq, seq) mask when rows pack several documents; runs
     everywhere. `flex`: FlexAttention with a block-sparse document mask (CUDA; on CPU forward only, it has no
     backward there). `varlen`: torch's variable-length attention over the documents of the flattened batch
-    (CUDA, bfloat16/float16). `auto`: `flex` on CUDA when rows pack documents, else `sdpa`."""
+    (CUDA, bfloat16/float16). `auto`: `flex` on CUDA when rows pack documents, else `sdpa`. A model that soft-caps
+    attention scores (Gemma 2) cannot use SDPA's kernels: `auto` gives it `flex` on CUDA, and `sdpa` (or `auto`
+    elsewhere) the same attention in plain torch ops; `varlen` is refused."""
 
     @model_validator(mode="after")
     def _check_architecture(self) -> "ModelConfig":

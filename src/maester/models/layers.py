@@ -147,12 +147,23 @@ def _flex(device: torch.device) -> tuple[Any, Any]:
 
 
 def resolve_attention(choice: str, device: torch.device, has_documents: bool, window: int | None = None,
-                      seq: int | None = None) -> str:
+                      seq: int | None = None, softcap: bool = False) -> str:
     """The backend a forward uses. `auto`: `flex` on CUDA whenever a mask is needed, i.e. with document ids or a
     sliding window shorter than the sequence (the dense mask of `sdpa` costs batch x seq^2 memory there, and with
-    grouped-query heads it sends SDPA to its math kernel), else `sdpa`."""
+    grouped-query heads it sends SDPA to its math kernel), else `sdpa`.
+
+    With `softcap` (attention scores soft-capped, which no SDPA kernel does): `auto` gives `flex` on CUDA and
+    `eager` (the same attention in plain torch ops, with a dense mask) elsewhere, `sdpa` gives `eager`, and
+    `varlen` is an error."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {choice!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if softcap:
+        if choice == "varlen":
+            raise ValueError("model.attention = 'varlen' cannot soft-cap attention scores (the model sets "
+                             "attn_logit_softcap): use 'auto' or 'flex'")
+        if choice == "auto":
+            return "flex" if device.type == "cuda" else "eager"
+        return "eager" if choice == "sdpa" else choice
     if choice == "auto":
         masked = has_documents or (window is not None and (seq is None or window < seq))
         return "flex" if device.type == "cuda" and masked else "sdpa"
@@ -178,8 +189,8 @@ def sdpa_priority(device: torch.device) -> list | None:
 class AttentionMask:
     """Where each token may attend, built once per forward by `attention_mask` and shared by every layer.
 
-    Exactly one of the payloads is set for the backend: `dense` (sdpa with documents or a window; None: plain
-    causal), `block_mask` (flex), `cu_seqlens` and `max_len` (varlen, which applies `window` itself).
+    Exactly one of the payloads is set for the backend: `dense` (sdpa or eager with documents or a window; None:
+    plain causal), `block_mask` (flex), `cu_seqlens` and `max_len` (varlen, which applies `window` itself).
     """
 
     backend: str
@@ -194,10 +205,10 @@ class AttentionMask:
 
 def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
                    device: torch.device, needs_grad: bool, window: int | None = None,
-                   offsets: torch.Tensor | None = None) -> AttentionMask:
+                   offsets: torch.Tensor | None = None, softcap: bool = False) -> AttentionMask:
     """See `_attention_mask`; also records, outside any compiled block, the autocast dtype and SDPA's backend
     order for `attend`."""
-    mask = _attention_mask(choice, document_ids, batch, seq, device, needs_grad, window, offsets)
+    mask = _attention_mask(choice, document_ids, batch, seq, device, needs_grad, window, offsets, softcap)
     priority = sdpa_priority(device) if mask.backend == "sdpa" else None
     return dataclasses.replace(mask, cast_dtype=_autocast_dtype(device),
                                sdpa_backends=tuple(priority) if priority else None)
@@ -209,19 +220,19 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def _attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
                     device: torch.device, needs_grad: bool, window: int | None = None,
-                    offsets: torch.Tensor | None = None) -> AttentionMask:
+                    offsets: torch.Tensor | None = None, softcap: bool = False) -> AttentionMask:
     """Causal attention within documents (and within a sliding `window` of tokens, itself included, when
     given) for the backend `choice` resolves to on `device`.
 
     `document_ids` (batch, seq): each document is one run of equal ids in its row, padding is -1 and attends
     only to padding (causally, so no row of scores is empty). None: each row is one document. `offsets`: the
     batch's `document_offsets`, made on the host by the loader (varlen; else computed here, which waits for the
-    device).
+    device). `softcap`: the attention scores are soft-capped (see `resolve_attention`).
     """
-    backend = resolve_attention(choice, device, document_ids is not None, window, seq)
-    if backend == "sdpa":
+    backend = resolve_attention(choice, device, document_ids is not None, window, seq, softcap)
+    if backend in ("sdpa", "eager"):
         plain = document_ids is None and (window is None or window >= seq)
-        return AttentionMask("sdpa", window, dense=None if plain else
+        return AttentionMask(backend, window, dense=None if plain else
                              document_causal_mask(document_ids, seq, device, window))
     if backend == "flex":
         if device.type == "cpu" and needs_grad:
@@ -243,11 +254,13 @@ def _attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, 
     return AttentionMask("varlen", window, cu_seqlens=offsets.to(device=device, dtype=torch.int32), max_len=seq)
 
 
-def cached_attention_mask(start: int, seq: int, device: torch.device, window: int | None) -> AttentionMask:
-    """Decoding with a KV cache: `seq` new queries at positions start.. over the start + seq cached keys."""
+def cached_attention_mask(start: int, seq: int, device: torch.device, window: int | None,
+                          softcap: bool = False) -> AttentionMask:
+    """Decoding with a KV cache: `seq` new queries at positions start.. over the start + seq cached keys (in
+    plain torch ops when the scores are soft-capped)."""
     q_pos = torch.arange(start, start + seq, device=device)
     k_pos = torch.arange(start + seq, device=device)
-    return AttentionMask("sdpa", window, dense=causal_window_mask(q_pos, k_pos, window)[None, None],
+    return AttentionMask("eager" if softcap else "sdpa", window, dense=causal_window_mask(q_pos, k_pos, window)[None, None],
                          cast_dtype=_autocast_dtype(device))
 
 
@@ -283,18 +296,53 @@ def document_offsets(document_ids: torch.Tensor | None, batch: int, seq: int, de
     return torch.cat((offsets, total)).to(torch.int32)
 
 
+@functools.cache
+def softcap_score_mod(softcap: float):
+    """FlexAttention's score_mod for soft-capped scores; one function per cap, so compiled flex is not
+    recompiled on every call."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: torch.Tensor | None,
+                    scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention in plain torch ops, for what no SDPA kernel does (soft-capped scores): scores scaled, then
+    capped to softcap * tanh(score / softcap), masked (`dense`; None: causal), softmax in float32. Shapes as
+    `attend`."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if dense is None:
+        pos = torch.arange(q.shape[2], device=q.device)
+        dense = causal_window_mask(pos, pos, None)
+    scores = scores.masked_fill(~dense, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return (weights @ v).transpose(1, 2)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """q (batch, heads, q_len, head_dim), k and v (batch, kv_heads, k_len, head_dim) -> (batch, q_len, heads,
     head_dim).
 
     Every backend computes the same causal, within-document (and within-window) softmax attention with
-    `scale` (None: 1/sqrt(head_dim)).
+    `scale` (None: 1/sqrt(head_dim)), its scores soft-capped at `softcap` where given (flex and eager only: a
+    mask built without `softcap` for another backend is an error, never a silently uncapped result).
     """
     if mask.cast_dtype is not None:
         # QK-norm with float32 weights makes q and k float32 while v is in the autocast dtype; kernels want one
         # dtype (varlen refuses float32). torchtitan casts the same way before its kernels.
         q, k, v = q.to(mask.cast_dtype), k.to(mask.cast_dtype), v.to(mask.cast_dtype)
+    if softcap is not None and mask.backend not in ("flex", "eager"):
+        raise ValueError(f"attention scores soft-capped at {softcap}, but the mask is for {mask.backend!r}, which "
+                         f"cannot cap them: build it with softcap=True")
+    if mask.backend == "eager":
+        return eager_attention(q, k, v, mask.dense, scale, softcap)
     if mask.backend == "sdpa":
         context = contextlib.nullcontext() if mask.sdpa_backends is None else \
             sdpa_kernel(list(mask.sdpa_backends), set_priority=True)
@@ -309,7 +357,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True, scale=scale)
         return out.transpose(1, 2)
     if mask.backend == "flex":
-        return _flex(q.device)[0](q, k, v, block_mask=mask.block_mask, enable_gqa=True,
+        score_mod = None if softcap is None else softcap_score_mod(softcap)
+        return _flex(q.device)[0](q, k, v, score_mod=score_mod, block_mask=mask.block_mask, enable_gqa=True,
                                   scale=scale).transpose(1, 2)
     if mask.backend != "varlen":
         raise ValueError(f"unknown attention backend {mask.backend!r}")
@@ -333,18 +382,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE, optional QK-norm (per head or across heads) and biases; the kernel is
-    the one `mask` was built for (see `attend`). With `cache` (decoding), the new keys and values are written
-    at `cache.start` and the queries attend over everything cached so far."""
+    """Grouped-query attention with RoPE, optional QK-norm (per head or across heads), biases (`bias` on the q, k
+    and v projections, `out_bias` on the output's; None: as `bias`) and soft-capped scores; the kernel is the one
+    `mask` was built for (see `attend`). With `cache` (decoding), the new keys and values are written at
+    `cache.start` and the queries attend over everything cached so far."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool = False,
-                 qk_norm: str = "none", norm_kind: str = "rms", norm_eps: float = 1e-6, scale: float | None = None):
+                 qk_norm: str = "none", norm_kind: str = "rms", norm_eps: float = 1e-6, scale: float | None = None,
+                 out_bias: bool | None = None, softcap: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim, self.scale = n_heads, n_kv_heads, head_dim, scale
+        self.softcap = softcap
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias if out_bias is None else out_bias)
         self.qk_norm = qk_norm
         if qk_norm != "none":
             width = head_dim if qk_norm == "head" else None
@@ -367,7 +419,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)
-        return self.o_proj(attend(q, k, v, mask, self.scale).reshape(bsz, seq, -1))
+        return self.o_proj(attend(q, k, v, mask, self.scale, self.softcap).reshape(bsz, seq, -1))
 
 
 class LayerCache:

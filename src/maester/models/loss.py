@@ -20,10 +20,18 @@ IGNORE_INDEX = -100
 """The label that takes no loss (PyTorch's cross-entropy default, and Hugging Face's)."""
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the per-token losses in float32; positions labelled IGNORE_INDEX contribute nothing."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+def softcap_logits(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap * tanh(logits / softcap): logits bounded to (-softcap, softcap) (Gemma 2's final soft-capping)."""
+    return softcap * torch.tanh(logits / softcap)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """Sum of the per-token losses in float32; positions labelled IGNORE_INDEX contribute nothing. `softcap`: the
+    logits are soft-capped first (in float32)."""
+    logits = logits.flatten(0, -2).float()
+    if softcap is not None:
+        logits = softcap_logits(logits, softcap)
+    return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def chunk_tokens_for(vocab_size: int) -> int:
@@ -31,23 +39,23 @@ def chunk_tokens_for(vocab_size: int) -> int:
     return 1 << max(0, (CHUNK_ELEMENTS // max(vocab_size, 1)).bit_length() - 1)
 
 
-def _head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_sum(F.linear(h, weight), labels)
+def _head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return cross_entropy_sum(F.linear(h, weight), labels, softcap)
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_tokens: int | None = None) -> torch.Tensor:
-    """`cross_entropy_sum(F.linear(h, weight), labels)` without the whole logits tensor: `h` (..., dim) hidden
-    states, `weight` (vocab, dim), `labels` (...). Chunks of `chunk_tokens` tokens (default: `chunk_tokens_for`);
-    a batch that fits in one chunk is computed directly, as before."""
+                             chunk_tokens: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """`cross_entropy_sum(F.linear(h, weight), labels, softcap)` without the whole logits tensor: `h` (..., dim)
+    hidden states, `weight` (vocab, dim), `labels` (...). Chunks of `chunk_tokens` tokens (default:
+    `chunk_tokens_for`); a batch that fits in one chunk is computed directly, as before."""
     h, labels = h.flatten(0, -2), labels.flatten()
     chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
     if h.shape[0] <= chunk:
-        return _head_loss(h, weight, labels)
+        return _head_loss(h, weight, labels, softcap)
     if not torch.is_grad_enabled():
-        return sum(_head_loss(hc, weight, lc) for hc, lc in zip(h.split(chunk), labels.split(chunk)))
+        return sum(_head_loss(hc, weight, lc, softcap) for hc, lc in zip(h.split(chunk), labels.split(chunk)))
     total = None
     for hc, lc in zip(h.split(chunk), labels.split(chunk)):
-        part = checkpoint(_head_loss, hc, weight, lc, use_reentrant=False, preserve_rng_state=False)
+        part = checkpoint(_head_loss, hc, weight, lc, softcap, use_reentrant=False, preserve_rng_state=False)
         total = part if total is None else total + part
     return total

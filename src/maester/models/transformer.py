@@ -1,8 +1,9 @@
-"""The decoder-only transformer every architecture is built from (Llama, Gemma 3, Qwen 3, OLMo 2, GPT-NeoX).
+"""The decoder-only transformer every architecture is built from (Llama, Mistral, Gemma 2 and 3, Qwen 2 and 3,
+OLMo 2, Phi-3, GPT-NeoX).
 
 A block is attention then MLP, each a residual branch; `TransformerArgs` picks the norm kind and where it
-sits (pre, post or both), QK-norm, the MLP kind, biases, partial rotary, sliding-window layers and a parallel
-residual. Parameter names are the same for every architecture, so parallel plans and checkpoints need no
+sits (pre, post or both), QK-norm, the MLP kind, biases, partial rotary, sliding-window layers, a parallel
+residual and soft-capped attention scores and logits. Parameter names are the same for every architecture, so parallel plans and checkpoints need no
 per-model code; `maester.models.hf` and `hf_tensors` map them to and from Hugging Face names.
 μP (`TransformerArgs.mup`) changes the init of the block matrices and three scalars (embedding multiplier,
 attention scale, output multiplier); `parameter_roles` tells the optimizer which parameters are which.
@@ -18,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from maester.models.args import TransformerArgs
-from maester.models.loss import cross_entropy_sum, linear_cross_entropy_sum
+from maester.models.loss import cross_entropy_sum, linear_cross_entropy_sum, softcap_logits
 from maester.models.layers import (
     MLP,
     Attention,
@@ -43,8 +44,10 @@ class TransformerBlock(nn.Module):
         # None: the kernels' own 1/sqrt(head_dim); Gemma's query_pre_attn_scalar and μP's base head dim change it.
         own_scale = args.query_pre_attn_scalar or args.attention_scale != args.resolved_head_dim ** -0.5
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.resolved_head_dim,
-                                   bias=args.attention_bias, qk_norm=args.qk_norm, norm_kind=args.norm,
-                                   norm_eps=args.norm_eps, scale=args.attention_scale if own_scale else None)
+                                   bias=args.attention_bias or args.qkv_bias, qk_norm=args.qk_norm,
+                                   norm_kind=args.norm, norm_eps=args.norm_eps,
+                                   scale=args.attention_scale if own_scale else None, out_bias=args.attention_bias,
+                                   softcap=args.attn_logit_softcap)
         self.post_attention_norm = norm() if post else nn.Identity()
         self.ffn_norm = norm() if pre else nn.Identity()
         if args.mlp == "gelu":
@@ -151,14 +154,15 @@ class Transformer(nn.Module):
             ropes["local"] = self.local_rotary(position_ids, h.dtype)
         needs_grad = torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad
         masks = {}
+        softcap = self.args.attn_logit_softcap is not None
         for window in set(self.layer_windows):
             if cache is not None:
                 if document_ids is not None:
                     raise ValueError("decoding with a KV cache takes no document_ids")
-                masks[window] = cached_attention_mask(start, seq, device, window)
+                masks[window] = cached_attention_mask(start, seq, device, window, softcap)
             else:
                 masks[window] = attention_mask(self.args.attention, document_ids, bsz, seq, device, needs_grad,
-                                               window, document_offsets)
+                                               window, document_offsets, softcap)
         for i, block in enumerate(self.layers.values()):
             cos, sin = ropes[self.layer_ropes[i]]
             if cache is None:
@@ -171,12 +175,15 @@ class Transformer(nn.Module):
         if self.args.output_multiplier != 1.0:
             # μP's output_alpha / m, on the hidden state: the same for a tied or untied, whole or sharded head.
             h = h * self.args.output_multiplier
+        cap = self.args.final_logit_softcap
         if labels is None:
-            return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+            logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+            return logits if cap is None else softcap_logits(logits.float(), cap).to(logits.dtype)
         weight = self.output.weight if self.output is not None else self.tok_embeddings.weight
         if isinstance(weight, DTensor):  # a vocabulary-sharded head (TP): loss_parallel on the sharded logits
-            return cross_entropy_sum(self.output(h) if self.output is not None else F.linear(h, weight), labels)
-        return linear_cross_entropy_sum(h, weight, labels)
+            logits = self.output(h) if self.output is not None else F.linear(h, weight)
+            return cross_entropy_sum(logits, labels, softcap=cap)
+        return linear_cross_entropy_sum(h, weight, labels, softcap=cap)
 
 
 # What activation checkpointing and torch.compile insert into parameter names (FSDP2 and TP insert nothing).

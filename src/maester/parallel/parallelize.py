@@ -146,7 +146,8 @@ def selective_checkpointing_needs_compile(parallel: ParallelConfig, args, docume
     if args.attention == "flex":
         return True
     window = args.sliding_window
-    return args.attention == "auto" and (document_masking or (window is not None and window < seq_len))
+    masked = document_masking or (window is not None and window < seq_len) or args.attn_logit_softcap is not None
+    return args.attention == "auto" and masked
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
