@@ -57,6 +57,32 @@ def test_soft_capping_is_never_dropped():
         layers.attend(q, k, v, layers.attention_mask("sdpa", None, 1, 8, CPU, needs_grad=False), softcap=5.0)
 
 
+def test_soft_capped_attention_is_the_same_on_every_path():
+    """Gemma 2 (soft-capped scores) on the eager path and on FlexAttention (forward on CPU), with packed
+    documents and sliding windows; and with the KV cache."""
+    from maester.models.transformer import KVCache, Transformer
+
+    def gemma2(**changes):
+        base = tiny("gemma2")
+        model = Transformer(base.args.model_copy(update={"attn_logit_softcap": 1.0, **changes}))
+        model.init_weights()  # the RoPE tables, which the state dict does not hold
+        model.load_state_dict(state)
+        return model
+
+    state = {k: v + torch.randn_like(v) * 0.2 for k, v in tiny("gemma2").state_dict().items()}
+    tokens = torch.randint(0, 256, (2, 20))
+    docs = torch.tensor([[0] * 12 + [1] * 8, [0] * 20])
+    eager, flex = gemma2(attention="sdpa"), gemma2(attention="flex")
+    with torch.no_grad():
+        expected = eager(tokens, document_ids=docs)
+        torch.testing.assert_close(flex(tokens, document_ids=docs), expected, rtol=0, atol=1e-5)
+        full = eager(tokens)
+        cache = KVCache(eager.args, 2, 20, CPU, torch.float32)
+        steps = [eager(tokens[:, :9], cache=cache)] + [eager(tokens[:, i:i + 1], cache=cache) for i in range(9, 20)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+        assert (gemma2(attn_logit_softcap=None)(tokens) - full).abs().max() > 1e-2  # the cap was in force
+
+
 def tiny(name: str, precision_dtype=None):
     cfg = load_config(None, [f"--model.name={name}", "--model.flavor=tiny"], environ={})
     return build_model(cfg.model, 256, CPU, 0, cfg.mup)

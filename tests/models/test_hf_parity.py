@@ -23,6 +23,14 @@ CASES = {
     "gemma3": ("gemma3", {}),
     "gemma3-linear-rope": ("gemma3", dict(rope_scaling=RopeScaling(rope_type="linear", factor=8.0),
                                           sliding_window_pattern=3, n_layers=4)),
+    "mistral": ("mistral", {}),  # v0.1: every layer slides
+    "mistral-full": ("mistral", dict(sliding_window=None, rope_theta=1e6)),
+    "qwen2": ("qwen2", {}),  # tied, as Qwen 2.5 up to 3B
+    "gemma2": ("gemma2", {}),
+    # Caps low enough to bind on random weights: ignoring either would show.
+    "gemma2-tight-caps": ("gemma2", dict(attn_logit_softcap=2.0, final_logit_softcap=3.0, n_layers=4)),
+    "phi3": ("phi3", {}),
+    "phi3-window-partial-rotary": ("phi3", dict(sliding_window=8, rotary_fraction=0.5)),
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", dict(tie_embeddings=True)),
     "olmo2": ("olmo2", {}),
@@ -123,6 +131,50 @@ def test_greedy_generation_with_kv_cache_equals_transformers_generate(case):
                                min_new_tokens=32)[0, 12:].tolist()
     assert len(expected) == 32
     assert sample(model, prompt[0].tolist(), 32) == expected
+
+
+def test_soft_capped_loss_equals_the_loss_of_transformers_logits():
+    """The model's own summed loss (the trainer's path, chunked head) soft-caps its logits as transformers does."""
+    import torch.nn.functional as F
+
+    name, args = tiny_args("gemma2-tight-caps")
+    hf = random_hf_model(name, args, seed=5)
+    model = maester_model(args, state_dict_from_hf(name, args, hf.state_dict()))
+    x, labels = ids(seed=6), ids(seed=7)
+    labels[0, :5] = -100
+    with torch.no_grad():
+        expected = F.cross_entropy(hf(x).logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        torch.testing.assert_close(model(x, labels=labels), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_an_unsupported_model_type_lists_the_supported_ones():
+    from maester.models.hf import HFFormatError
+
+    with pytest.raises(HFFormatError, match="x/config.json: model_type 'mamba' is not supported") as error:
+        args_from_hf({"model_type": "mamba"}, "x/config.json")
+    for model_type in ("llama", "mistral", "gemma2", "gemma3_text", "qwen2", "qwen3", "olmo2", "phi3", "gpt_neox"):
+        assert f" {model_type}," in str(error.value) or f" {model_type} " in str(error.value), model_type
+
+
+# case -> (changes to its exported config.json, the refusal naming the key)
+REFUSED = {
+    "qwen2": (dict(use_sliding_window=True), "use_sliding_window is not supported for qwen2"),
+    "mistral": (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types .* every layer"),
+    "phi3": (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+             "rope type 'longrope' is not supported"),
+    "gemma2": (dict(attn_logit_softcapping=-1.0), "attn_logit_softcapping = -1.0: "),
+    "gemma2-tight-caps": (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_config_keys_the_import_cannot_honour_are_refused_by_name(case):
+    from maester.models.hf import HFFormatError, transformer_args_from_hf
+
+    name, args = tiny_args(case)
+    changes, message = REFUSED[case]
+    with pytest.raises(HFFormatError, match=f"^hf/config.json: {message}"):
+        transformer_args_from_hf({**hf_config(name, args), **changes}, "hf/config.json")
 
 
 def test_kv_cache_logits_equal_a_full_forward():

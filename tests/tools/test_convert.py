@@ -26,7 +26,7 @@ from tests.models.test_hf_parity import random_hf_model, tiny_args
 
 transformers = pytest.importorskip("transformers")
 
-CASES = ("llama", "gemma3", "gpt_neox")
+CASES = ("llama", "gemma3", "gpt_neox", "mistral", "qwen2", "gemma2", "phi3")
 CONTEXT = 128
 PROMPT = "The model reads "
 NEW_TOKENS = 24

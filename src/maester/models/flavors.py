@@ -16,6 +16,8 @@ def _family(defaults: dict, shapes: dict[str, dict]) -> dict[str, TransformerArg
 LLAMA = dict(norm="rms", norm_eps=1e-5, rope_theta=500000.0)
 _LLAMA3_VOCAB = 128256
 _LLAMA31 = dict(vocab_size=_LLAMA3_VOCAB, rope_scaling=RopeScaling(factor=8.0))
+_LLAMA2 = dict(vocab_size=32000, rope_theta=10000.0, max_seq_len=4096)
+_SMOLLM2 = dict(vocab_size=49152, rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True)
 LLAMA_FLAVORS = _family(LLAMA, {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192, rope_theta=10000.0),
     # The demo model: small enough to learn byte-level text on a laptop CPU in a couple of minutes.
@@ -29,6 +31,26 @@ LLAMA_FLAVORS = _family(LLAMA, {
     "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, **_LLAMA31),
     "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, **_LLAMA31),
     "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden_dim=53248, **_LLAMA31),
+    # Llama 2 (RoPE base 10k, 32k SentencePiece vocabulary, 4k context; grouped-query heads only at 70B).
+    "llama2-7B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=11008, **_LLAMA2),
+    "llama2-13B": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_hidden_dim=13824, **_LLAMA2),
+    "llama2-70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, **_LLAMA2),
+    # SmolLM2: small Llamas with tied heads and a 49k vocabulary.
+    "smollm2-135M": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden_dim=1536, **_SMOLLM2),
+    "smollm2-360M": dict(dim=960, n_layers=32, n_heads=15, n_kv_heads=5, ffn_hidden_dim=2560, **_SMOLLM2),
+    "smollm2-1.7B": dict(dim=2048, n_layers=24, n_heads=32, n_kv_heads=32, ffn_hidden_dim=8192,
+                         **{**_SMOLLM2, "rope_theta": 130000.0}),
+})
+
+# Mistral: Llama's block; 7B v0.1 slides every layer over 4096 tokens, later models attend fully.
+MISTRAL = dict(norm="rms", norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768)
+_MISTRAL_7B = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336)
+MISTRAL_FLAVORS = _family(MISTRAL, {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192, sliding_window=8),
+    "7B-v0.1": dict(**_MISTRAL_7B, vocab_size=32000, sliding_window=4096),
+    "7B-v0.3": dict(**_MISTRAL_7B, vocab_size=32768, rope_theta=1_000_000.0),
+    "nemo-12B": dict(dim=5120, n_layers=40, n_heads=32, n_kv_heads=8, head_dim=128, ffn_hidden_dim=14336,
+                     vocab_size=131072, rope_theta=1_000_000.0, max_seq_len=1024000),
 })
 
 # Gemma 3 text: 5 sliding-window layers per global one, QK-norm, sandwich (1 + w) RMSNorms, tanh-GeGLU,
@@ -49,6 +71,36 @@ GEMMA3_FLAVORS = _family(GEMMA3, {
     "12B": dict(dim=3840, n_layers=48, n_heads=16, n_kv_heads=8, ffn_hidden_dim=15360, **_GEMMA3_LONG),
     "27B": dict(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, ffn_hidden_dim=21504, head_dim=128,
                 query_pre_attn_scalar=168, **_GEMMA3_LONG),
+})
+
+# Gemma 2: Gemma's sandwich (1 + w) RMSNorms, tanh-GeGLU, sqrt(dim) embeddings and tied head; every other layer
+# slides over 4096 tokens; attention scores soft-capped at 50 and logits at 30; no QK-norm, one RoPE base.
+GEMMA2 = dict(norm="rms_offset", norm_eps=1e-6, norm_placement="sandwich", mlp="geglu", rope_theta=10_000.0,
+              sliding_window_pattern=2, embedding_scale=True, tie_embeddings=True, head_dim=256,
+              query_pre_attn_scalar=256, attn_logit_softcap=50.0, final_logit_softcap=30.0)
+_GEMMA2_PUBLISHED = dict(vocab_size=256000, sliding_window=4096, max_seq_len=8192)
+GEMMA2_FLAVORS = _family(GEMMA2, {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192, head_dim=16,
+                 query_pre_attn_scalar=16, sliding_window=8),
+    "2B": dict(dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, ffn_hidden_dim=9216, **_GEMMA2_PUBLISHED),
+    "9B": dict(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, ffn_hidden_dim=14336, **_GEMMA2_PUBLISHED),
+    "27B": dict(dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, ffn_hidden_dim=36864, head_dim=128,
+                query_pre_attn_scalar=144, **_GEMMA2_PUBLISHED),
+})
+
+# Qwen 2 and 2.5: Llama with biases on q, k and v (none on the output projection); small sizes tie the head.
+# The flavors are Qwen 2.5's shapes (Qwen 2's 0.5B, 1.5B, 7B and 72B are the same).
+QWEN2 = dict(norm="rms", norm_eps=1e-6, qkv_bias=True, rope_theta=1_000_000.0, vocab_size=151936, max_seq_len=32768)
+QWEN2_FLAVORS = _family(QWEN2, {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192, vocab_size=None,
+                 tie_embeddings=True),
+    "0.5B": dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_hidden_dim=4864, tie_embeddings=True),
+    "1.5B": dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, ffn_hidden_dim=8960, tie_embeddings=True),
+    "3B": dict(dim=2048, n_layers=36, n_heads=16, n_kv_heads=2, ffn_hidden_dim=11008, tie_embeddings=True),
+    "7B": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_hidden_dim=18944, vocab_size=152064),
+    "14B": dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, ffn_hidden_dim=13824, vocab_size=152064),
+    "32B": dict(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, ffn_hidden_dim=27648, vocab_size=152064),
+    "72B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=29568, vocab_size=152064),
 })
 
 # Qwen 3 dense: Llama with per-head QK-norm and head_dim 128; small sizes tie the head.
@@ -73,6 +125,15 @@ OLMO2_FLAVORS = _family(OLMO2, {
     "7B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=11008),
     "13B": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_hidden_dim=13824),
     "32B": dict(dim=5120, n_layers=64, n_heads=40, n_kv_heads=8, ffn_hidden_dim=27648),
+})
+
+# Phi-3: Llama's block (HF fuses q/k/v and gate/up into one matrix each); the 4k models slide every layer over
+# 2047 tokens. The 128k models' LongRoPE is not supported.
+PHI3 = dict(norm="rms", norm_eps=1e-5, rope_theta=10000.0, vocab_size=32064, max_seq_len=4096)
+PHI3_FLAVORS = _family(PHI3, {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192, vocab_size=None),
+    "mini-4k": dict(dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=8192, sliding_window=2047),
+    "medium-4k": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, ffn_hidden_dim=17920, sliding_window=2047),
 })
 
 # GPT-NeoX: LayerNorm with bias, parallel residual, RoPE on a quarter of each head, biased projections and a

@@ -14,13 +14,19 @@ from maester.models.args import RopeScaling, TransformerArgs
 # maester architecture -> (HF model_type, HF class)
 HF_NAMES = {
     "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     "gpt_neox": ("gpt_neox", "GPTNeoXForCausalLM"),
 }
 _FROM_MODEL_TYPE = {model_type: name for name, (model_type, _) in HF_NAMES.items()} | {"gemma3": "gemma3"}
-_ACTIVATIONS = {"llama": "silu", "qwen3": "silu", "olmo2": "silu", "gemma3": "gelu_pytorch_tanh", "gpt_neox": "gelu"}
+_ACTIVATIONS = {name: "silu" for name in HF_NAMES} | {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
+                                                      "gpt_neox": "gelu"}
+_GEMMA = ("gemma2", "gemma3")
 
 
 class HFFormatError(ValueError):
@@ -46,7 +52,8 @@ def architecture_of(hf: dict, where: str = "config.json") -> str:
     model_type = hf.get("model_type")
     if model_type not in _FROM_MODEL_TYPE:
         raise HFFormatError(f"{where}: model_type {model_type!r} is not supported; supported: "
-                            f"{', '.join(sorted(_FROM_MODEL_TYPE))}")
+                            f"{', '.join(sorted(_FROM_MODEL_TYPE))} (as maester's "
+                            f"{', '.join(HF_NAMES)})")
     return _FROM_MODEL_TYPE[model_type]
 
 
@@ -117,6 +124,7 @@ _HF_KEYS = {
     "rotary_fraction": ("rotary_pct", "partial_rotary_factor"), "rope_theta": ("rope_theta", "rotary_emb_base"),
     "local_rope_theta": ("rope_local_base_freq",), "sliding_window": ("sliding_window",),
     "sliding_window_pattern": ("sliding_window_pattern",), "query_pre_attn_scalar": ("query_pre_attn_scalar",),
+    "attn_logit_softcap": ("attn_logit_softcapping",), "final_logit_softcap": ("final_logit_softcapping",),
 }
 
 
@@ -139,59 +147,117 @@ def args_from_hf(hf: dict, where: str = "config.json") -> tuple[str, dict[str, A
         dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_hidden_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=hf.get("tie_word_embeddings", name == "gemma3"),
+        tie_embeddings=hf.get("tie_word_embeddings", name in _GEMMA),
     )
     if hf.get("head_dim") and hf["head_dim"] != hf["hidden_size"] // n_heads:
         fields["head_dim"] = hf["head_dim"]
-    if name == "gpt_neox":
-        theta, scaling, partial = _rope(hf, None, where)
-        fields.update(norm="layer", norm_eps=hf.get("layer_norm_eps", 1e-5), mlp="gelu", mlp_bias=True,
-                      parallel_residual=hf.get("use_parallel_residual", True),
-                      attention_bias=hf.get("attention_bias", True),
-                      rotary_fraction=partial if partial is not None else hf.get("rotary_pct", 0.25),
-                      rope_theta=theta if theta is not None else hf.get("rotary_emb_base", 10000.0),
-                      rope_scaling=scaling)
-        return name, fields
-    fields.update(norm_eps=hf.get("rms_norm_eps", 1e-6), attention_bias=hf.get("attention_bias", False),
-                  mlp_bias=hf.get("mlp_bias", False))
-    if name == "gemma3":
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if hf.get(key) is not None:
-                raise HFFormatError(f"{where}: {key} = {hf[key]} is not supported")
-        if hf.get("use_bidirectional_attention"):
-            raise HFFormatError(f"{where}: use_bidirectional_attention is not supported (causal models only)")
-        theta, scaling, _ = _rope(hf, "full_attention", where)
-        per_type = isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]
-        if per_type:  # transformers 5
-            local_theta, local_scaling, _ = _rope(hf, "sliding_attention", where)
-        else:  # transformers 4: rope_theta and rope_scaling are the global layers'
-            local_theta, local_scaling = hf.get("rope_local_base_freq"), None
-        if local_scaling is not None:
-            raise HFFormatError(f"{where}: scaled RoPE on sliding-window layers is not supported")
-        fields.update(norm="rms_offset", norm_placement="sandwich", qk_norm="head", mlp="geglu",
-                      embedding_scale=True, head_dim=hf.get("head_dim", 256),
-                      query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-                      rope_theta=theta if theta is not None else 1_000_000.0, rope_scaling=scaling,
-                      local_rope_theta=local_theta if local_theta is not None else 10_000.0,
-                      sliding_window=hf.get("sliding_window", 4096),
-                      sliding_window_pattern=_sliding_pattern(hf, where))
-        return name, fields
-    theta, scaling, _ = _rope(hf, None, where)
-    fields.update(rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling)
-    if name == "qwen3":
-        if hf.get("use_sliding_window"):
-            raise HFFormatError(f"{where}: use_sliding_window is not supported for qwen3")
-        fields.update(qk_norm="head", head_dim=hf.get("head_dim", 128))
-    elif name == "olmo2":
-        fields.update(norm_placement="post", qk_norm="full")
+    fields.update(_FAMILY_FIELDS[name](hf, where))
     return name, fields
 
 
-def _sliding_pattern(hf: dict, where: str) -> int:
+def _gpt_neox_fields(hf: dict, where: str) -> dict[str, Any]:
+    theta, scaling, partial = _rope(hf, None, where)
+    return dict(norm="layer", norm_eps=hf.get("layer_norm_eps", 1e-5), mlp="gelu", mlp_bias=True,
+                parallel_residual=hf.get("use_parallel_residual", True), attention_bias=hf.get("attention_bias", True),
+                rotary_fraction=partial if partial is not None else hf.get("rotary_pct", 0.25),
+                rope_theta=theta if theta is not None else hf.get("rotary_emb_base", 10000.0), rope_scaling=scaling)
+
+
+def _llama_fields(hf: dict, where: str) -> dict[str, Any]:
+    """Llama's keys; Qwen 3 and OLMo 2 read them as well."""
+    theta, scaling, _ = _rope(hf, None, where)
+    return dict(norm_eps=hf.get("rms_norm_eps", 1e-6), attention_bias=hf.get("attention_bias", False),
+                mlp_bias=hf.get("mlp_bias", False), rope_theta=theta if theta is not None else 10000.0,
+                rope_scaling=scaling)
+
+
+def _unbiased_fields(hf: dict, where: str, eps: float) -> dict[str, Any]:
+    """RMSNorm eps and RoPE: the keys of a class without bias switches (Mistral, Qwen 2, Phi-3)."""
+    theta, scaling, _ = _rope(hf, None, where)
+    return dict(norm_eps=hf.get("rms_norm_eps", eps), rope_theta=theta if theta is not None else 10000.0,
+                rope_scaling=scaling)
+
+
+def _all_layers_window(hf: dict, where: str, window: int | None) -> int | None:
+    """`window` for a class that slides every layer or none (Mistral, Phi-3); `layer_types` must agree."""
+    types = hf.get("layer_types")
+    if types is not None and set(types) != {"sliding_attention" if window is not None else "full_attention"}:
+        raise HFFormatError(f"{where}: layer_types {types} with sliding_window = {window}: HF's "
+                            f"{hf.get('model_type')} applies sliding_window to every layer")
+    return window
+
+
+def _mistral_fields(hf: dict, where: str) -> dict[str, Any]:
+    # MistralConfig's own default is a 4096-token window (v0.1); later models write null.
+    window = _all_layers_window(hf, where, hf.get("sliding_window", 4096))
+    return _unbiased_fields(hf, where, 1e-6) | dict(sliding_window=window)
+
+
+def _phi3_fields(hf: dict, where: str) -> dict[str, Any]:
+    window = _all_layers_window(hf, where, hf.get("sliding_window"))
+    partial = _rope(hf, None, where)[2]  # in rope_parameters (transformers 5) or beside it (4)
+    return _unbiased_fields(hf, where, 1e-5) | dict(
+        sliding_window=window, rotary_fraction=partial if partial is not None else hf.get("partial_rotary_factor", 1.0))
+
+
+def _qwen2_fields(hf: dict, where: str) -> dict[str, Any]:
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+        raise HFFormatError(f"{where}: use_sliding_window is not supported for qwen2 (its sliding layers are the "
+                            f"ones from max_window_layers up, which maester's layer pattern cannot express)")
+    return _unbiased_fields(hf, where, 1e-6) | dict(qkv_bias=True)
+
+
+def _qwen3_fields(hf: dict, where: str) -> dict[str, Any]:
+    if hf.get("use_sliding_window"):
+        raise HFFormatError(f"{where}: use_sliding_window is not supported for qwen3")
+    return _llama_fields(hf, where) | dict(qk_norm="head", head_dim=hf.get("head_dim", 128))
+
+
+def _olmo2_fields(hf: dict, where: str) -> dict[str, Any]:
+    return _llama_fields(hf, where) | dict(norm_placement="post", qk_norm="full")
+
+
+def _gemma_fields(hf: dict, where: str) -> dict[str, Any]:
+    """Gemma 2 and 3: sandwich (1 + w) RMSNorms, GeGLU, scaled embeddings, sliding layers, soft-capping (on by
+    default in Gemma 2's config class, off in Gemma 3's); Gemma 3 adds QK-norm and a local RoPE base."""
+    gemma2 = hf.get("model_type") == "gemma2"
+    if hf.get("use_bidirectional_attention"):
+        raise HFFormatError(f"{where}: use_bidirectional_attention is not supported (causal models only)")
+    fields = dict(norm="rms_offset", norm_placement="sandwich", mlp="geglu", embedding_scale=True,
+                  norm_eps=hf.get("rms_norm_eps", 1e-6), attention_bias=hf.get("attention_bias", False),
+                  mlp_bias=hf.get("mlp_bias", False), head_dim=hf.get("head_dim", 256),
+                  query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+                  sliding_window=hf.get("sliding_window", 4096),
+                  sliding_window_pattern=_sliding_pattern(hf, where, 2 if gemma2 else 6),
+                  attn_logit_softcap=hf.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+                  final_logit_softcap=hf.get("final_logit_softcapping", 30.0 if gemma2 else None))
+    if gemma2:
+        theta, scaling, _ = _rope(hf, None, where)
+        return fields | dict(rope_theta=theta if theta is not None else 10_000.0, rope_scaling=scaling)
+    theta, scaling, _ = _rope(hf, "full_attention", where)
+    per_type = isinstance(hf.get("rope_parameters"), dict) and "sliding_attention" in hf["rope_parameters"]
+    if per_type:  # transformers 5
+        local_theta, local_scaling, _ = _rope(hf, "sliding_attention", where)
+    else:  # transformers 4: rope_theta and rope_scaling are the global layers'
+        local_theta, local_scaling = hf.get("rope_local_base_freq"), None
+    if local_scaling is not None:
+        raise HFFormatError(f"{where}: scaled RoPE on sliding-window layers is not supported")
+    return fields | dict(qk_norm="head", rope_theta=theta if theta is not None else 1_000_000.0,
+                         rope_scaling=scaling, local_rope_theta=local_theta if local_theta is not None else 10_000.0)
+
+
+_FAMILY_FIELDS = {
+    "llama": _llama_fields, "mistral": _mistral_fields, "gemma2": _gemma_fields, "gemma3": _gemma_fields,
+    "qwen2": _qwen2_fields, "qwen3": _qwen3_fields, "olmo2": _olmo2_fields, "phi3": _phi3_fields,
+    "gpt_neox": _gpt_neox_fields,
+}
+
+
+def _sliding_pattern(hf: dict, where: str, default: int) -> int:
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
-        return hf.get("sliding_window_pattern", 6)
+        return hf.get("sliding_window_pattern", default)
     for pattern in range(1, n + 2):
         if types == ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]:
             return pattern
@@ -221,17 +287,29 @@ def hf_config(name: str, args: TransformerArgs, *, bos_id: int | None = None, eo
     cfg.update(rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, rope_scaling=scaling)
     if name == "llama":
         cfg["mlp_bias"] = args.mlp_bias
-    if name == "gemma3":
-        del cfg["hidden_act"]
-        scalar = args.query_pre_attn_scalar or args.resolved_head_dim
-        cfg.update(hidden_activation=_ACTIVATIONS[name], query_pre_attn_scalar=int(scalar) if float(scalar).is_integer()
-                   else scalar,
-                   sliding_window=args.sliding_window, rope_local_base_freq=args.local_rope_theta,
-                   sliding_window_pattern=args.sliding_window_pattern,
-                   layer_types=["full_attention" if args.layer_window(i) is None else "sliding_attention"
-                                for i in range(args.n_layers)],
-                   final_logit_softcapping=None, attn_logit_softcapping=None)
+    if name in ("mistral", "qwen2", "phi3"):  # classes without a bias switch
+        del cfg["attention_bias"]
+    if name in ("mistral", "phi3"):
+        cfg["sliding_window"] = args.sliding_window  # every layer's, null for none
+    if name == "phi3":
+        cfg["partial_rotary_factor"] = args.rotary_fraction
+    if name == "qwen2":
+        cfg["use_sliding_window"] = False
+    if name in _GEMMA:
+        _gemma_config(name, args, cfg)
     return cfg
+
+
+def _gemma_config(name: str, args: TransformerArgs, cfg: dict[str, Any]) -> None:
+    del cfg["hidden_act"]
+    scalar = args.query_pre_attn_scalar or args.resolved_head_dim
+    cfg.update(hidden_activation=_ACTIVATIONS[name], query_pre_attn_scalar=int(scalar) if float(scalar).is_integer()
+               else scalar, sliding_window=args.sliding_window,
+               layer_types=["full_attention" if args.layer_window(i) is None else "sliding_attention"
+                            for i in range(args.n_layers)],
+               final_logit_softcapping=args.final_logit_softcap, attn_logit_softcapping=args.attn_logit_softcap)
+    if name == "gemma3":
+        cfg.update(rope_local_base_freq=args.local_rope_theta, sliding_window_pattern=args.sliding_window_pattern)
 
 
 def check_convertible(name: str, args: TransformerArgs) -> None:

@@ -1,6 +1,7 @@
 """Hugging Face `transformers` interop, the weights side: maester parameter names <-> HF names, and safetensors
-files. Each architecture lists its per-layer names on both sides; GPT-NeoX's fused, per-head-interleaved
-`query_key_value` is split into q, k and v here and fused back on export.
+files. Each architecture lists its per-layer names on both sides. Fused HF tensors are split on import and fused
+back on export: GPT-NeoX's per-head-interleaved `query_key_value`, and Phi-3's `qkv_proj` and `gate_up_proj`
+(q, k and v, or gate and up, stacked by rows).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from maester.models.hf import HFFormatError
 
 
 def _norm_pairs(name: str) -> list[tuple[str, str]]:
-    if name == "gemma3":
+    if name in ("gemma2", "gemma3"):
         return [("attention_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
                 ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffn_norm", "post_feedforward_layernorm")]
     if name == "olmo2":
@@ -28,7 +29,8 @@ def _norm_pairs(name: str) -> list[tuple[str, str]]:
 
 
 def name_map(name: str, args: TransformerArgs) -> dict[str, str]:
-    """maester parameter name -> HF name, for every parameter but GPT-NeoX's q/k/v (fused in HF)."""
+    """maester parameter name -> HF name, for every parameter but those fused in HF (GPT-NeoX's q/k/v, Phi-3's
+    q/k/v and gate/up: `_stacked`)."""
     norm_params = ("weight", "bias") if args.norm == "layer" else ("weight",)
     neox = name == "gpt_neox"
     base = "gpt_neox." if neox else "model."
@@ -37,6 +39,7 @@ def name_map(name: str, args: TransformerArgs) -> dict[str, str]:
     if not args.tie_embeddings:
         out["output.weight"] = "embed_out.weight" if neox else "lm_head.weight"
     attn_params = ("weight", "bias") if args.attention_bias else ("weight",)
+    qkv_params = ("weight", "bias") if args.attention_bias or args.qkv_bias else ("weight",)
     mlp_params = ("weight", "bias") if args.mlp_bias else ("weight",)
     for i in range(args.n_layers):
         ours, theirs = f"layers.{i}.", f"{base}layers.{i}."
@@ -47,13 +50,33 @@ def name_map(name: str, args: TransformerArgs) -> dict[str, str]:
             out.update({f"{ours}feed_forward.up_proj.{p}": f"{theirs}mlp.dense_h_to_4h.{p}" for p in mlp_params})
             out.update({f"{ours}feed_forward.down_proj.{p}": f"{theirs}mlp.dense_4h_to_h.{p}" for p in mlp_params})
             continue
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out.update({f"{ours}attention.{proj}.{p}": f"{theirs}self_attn.{proj}.{p}" for p in attn_params})
+        fused = name == "phi3"
+        for proj in ("o_proj",) if fused else ("q_proj", "k_proj", "v_proj", "o_proj"):
+            params = attn_params if proj == "o_proj" else qkv_params
+            out.update({f"{ours}attention.{proj}.{p}": f"{theirs}self_attn.{proj}.{p}" for p in params})
         if args.qk_norm != "none":
             for n in ("q_norm", "k_norm"):
                 out.update({f"{ours}attention.{n}.{p}": f"{theirs}self_attn.{n}.{p}" for p in norm_params})
-        for proj in (("gate_proj", "up_proj", "down_proj") if args.mlp != "gelu" else ("up_proj", "down_proj")):
+        projs = ("up_proj", "down_proj") if args.mlp == "gelu" else ("gate_proj", "up_proj", "down_proj")
+        for proj in ("down_proj",) if fused else projs:
             out.update({f"{ours}feed_forward.{proj}.{p}": f"{theirs}mlp.{proj}.{p}" for p in mlp_params})
+    return out
+
+
+def _stacked(name: str, args: TransformerArgs) -> dict[str, list[tuple[str, int]]]:
+    """HF tensors that stack several maester weights by rows (Phi-3's `qkv_proj` and `gate_up_proj`): HF name ->
+    [(maester name, rows)], in the order stacked."""
+    if name != "phi3":
+        return {}
+    q, kv, ffn = args.n_heads * args.resolved_head_dim, args.n_kv_heads * args.resolved_head_dim, args.ffn_hidden_dim
+    out = {}
+    for i in range(args.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        out[f"{theirs}self_attn.qkv_proj.weight"] = [(f"{ours}attention.q_proj.weight", q),
+                                                     (f"{ours}attention.k_proj.weight", kv),
+                                                     (f"{ours}attention.v_proj.weight", kv)]
+        out[f"{theirs}mlp.gate_up_proj.weight"] = [(f"{ours}feed_forward.gate_proj.weight", ffn),
+                                                   (f"{ours}feed_forward.up_proj.weight", ffn)]
     return out
 
 
@@ -103,6 +126,17 @@ def state_dict_from_hf(name: str, args: TransformerArgs, tensors: dict[str, torc
                 for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                     out[f"layers.{i}.attention.{proj}.{p}"] = per_head[:, j].reshape(args.n_heads * hd,
                                                                                     *fused.shape[1:])
+    for key, parts in _stacked(name, args).items():
+        if key not in tensors:
+            missing.append(key)
+            continue
+        fused = tensors.pop(key)
+        want = [sum(rows for _, rows in parts), args.dim]
+        if list(fused.shape) != want:
+            raise HFFormatError(f"{_tensor_file(where, key)}: {key} has shape {list(fused.shape)}, but "
+                                f"{_config_file(where)} implies {want}")
+        for (ours, _), part in zip(parts, fused.split([rows for _, rows in parts])):
+            out[ours] = part.clone()
     if args.tie_embeddings:
         head = tensors.pop("lm_head.weight", None)
         if head is not None and "tok_embeddings.weight" in out and not torch.equal(head, out["tok_embeddings.weight"]):
@@ -170,6 +204,8 @@ def state_dict_to_hf(name: str, args: TransformerArgs, state: dict[str, torch.Te
                 parts = [state.pop(f"layers.{i}.attention.{proj}.{p}") for proj in ("q_proj", "k_proj", "v_proj")]
                 per_head = torch.stack([t.reshape(args.n_heads, -1, *t.shape[1:]) for t in parts], dim=1)
                 out[f"gpt_neox.layers.{i}.attention.query_key_value.{p}"] = per_head.reshape(-1, *parts[0].shape[1:])
+    for key, parts in _stacked(name, args).items():
+        out[key] = torch.cat([state.pop(ours) for ours, _ in parts])
     if state:
         raise HFFormatError(f"no HF name for {', '.join(sorted(state)[:5])}")
     return out

@@ -9,7 +9,17 @@ from typing import Any
 from pydantic import BaseModel
 
 from maester.models.args import TransformerArgs
-from maester.models.flavors import GEMMA3_FLAVORS, GPT_NEOX_FLAVORS, LLAMA_FLAVORS, OLMO2_FLAVORS, QWEN3_FLAVORS
+from maester.models.flavors import (
+    GEMMA2_FLAVORS,
+    GEMMA3_FLAVORS,
+    GPT_NEOX_FLAVORS,
+    LLAMA_FLAVORS,
+    MISTRAL_FLAVORS,
+    OLMO2_FLAVORS,
+    PHI3_FLAVORS,
+    QWEN2_FLAVORS,
+    QWEN3_FLAVORS,
+)
 
 
 @dataclass(frozen=True)
@@ -26,8 +36,12 @@ class Architecture:
 _TRANSFORMER = "maester.models.transformer:Transformer"
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(TransformerArgs, LLAMA_FLAVORS, _TRANSFORMER),
+    "mistral": Architecture(TransformerArgs, MISTRAL_FLAVORS, _TRANSFORMER),
+    "gemma2": Architecture(TransformerArgs, GEMMA2_FLAVORS, _TRANSFORMER),
     "gemma3": Architecture(TransformerArgs, GEMMA3_FLAVORS, _TRANSFORMER),
+    "qwen2": Architecture(TransformerArgs, QWEN2_FLAVORS, _TRANSFORMER),
     "qwen3": Architecture(TransformerArgs, QWEN3_FLAVORS, _TRANSFORMER),
     "olmo2": Architecture(TransformerArgs, OLMO2_FLAVORS, _TRANSFORMER),
+    "phi3": Architecture(TransformerArgs, PHI3_FLAVORS, _TRANSFORMER),
     "gpt_neox": Architecture(TransformerArgs, GPT_NEOX_FLAVORS, _TRANSFORMER),
 }
