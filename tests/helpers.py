@@ -60,3 +60,14 @@ def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None 
                            f"--nproc_per_node={nproc}", "-m", "maester", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
+
+
+def seed_job(corpus: Path, dump_dir: Path, name: str, **extra) -> Path:
+    """A job of the tiny model (`tiny_overrides` and `extra`) with its randomly initialised weights saved as the
+    step-0 checkpoint: varied greedy outputs, without training."""
+    from maester.config import load_config
+    from maester.train.trainer import write_seed_checkpoint
+
+    cfg = load_config(None, tiny_overrides(corpus, dump_dir, name, **extra), environ={})
+    write_seed_checkpoint(cfg, cfg.job_dir)
+    return cfg.job_dir

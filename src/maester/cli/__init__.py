@@ -30,6 +30,7 @@ COMMANDS = {
     "launch": Command(training.add_launch, training.run_launch),
     "config": Command(training.add_config, training.run_config, overrides=True),
     "generate": Command(tools.add_generate, tools.run_generate),
+    "chat": Command(tools.add_chat, tools.run_chat),
     "convert": Command(tools.add_convert, tools.run_convert),
     "checkpoint": Command(tools.add_checkpoint, tools.run_checkpoint),
     "plot": Command(tools.add_plot, tools.run_plot),

@@ -8,9 +8,24 @@ import sys
 from maester import exit_codes
 
 
+def add_model_options(p) -> None:
+    """The options of generate and chat that say where the model runs and how it samples."""
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens holding this "
+                                                             "share of the probability")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="auto (default): the GPU where torch can use one, else the CPU; a GPU asked for and "
+                        "unusable is an error. Under torchrun each process takes the GPU of its LOCAL_RANK")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="the dtype the weights are loaded and run in (auto: bfloat16 on a GPU, float32 on the CPU)")
+
+
 def add_generate(sub, name: str) -> None:
     p = sub.add_parser(name, help="sample text from a job's latest checkpoint, a checkpoint directory or a "
-                                        "Hugging Face model directory")
+                                  "Hugging Face model directory (tensor parallel under torchrun)")
     p.add_argument("target", help="a job directory, a checkpoint directory, or an HF model directory (config.json, "
                                   "safetensors, tokenizer.json)")
     prompt = p.add_mutually_exclusive_group(required=True)
@@ -18,42 +33,87 @@ def add_generate(sub, name: str) -> None:
     prompt.add_argument("--prompts-file", metavar="FILE",
                         help="a smoke suite: one prompt per line, or (.jsonl) one {\"prompt\": ...} or "
                              "{\"messages\": [...]} per line; each result is printed under its prompt")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens holding this "
-                                                             "share of the probability")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="prompts of --prompts-file decoded together, left-padded (default: 8); the same tokens as "
+                        "one at a time")
+    add_model_options(p)
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message in the chat template (the job's data.sft, or an HF "
                         "directory's own chat_template) and print the assistant's answer, up to its end of turn")
 
 
-def run_generate(args) -> None:
-    from maester.parallel.dims import init_distributed
+def load_completer(args, chat: bool, needs_template: bool):
+    """The model of `args.target` on this process's device and dtype (sharded over the processes of torchrun) in a
+    Completer with the sampling options (`chat`: text prompts are sent as user messages; `needs_template`: some
+    prompt is answered in the chat template); returns it and this process's rank."""
+    from maester.tools.generate import Completer, load_for_inference, start_inference
     from maester.tools.hf_dir import is_hf_model_dir
-    from maester.tools.generate import Completer, Prompt, load_for_inference, read_prompts
+
+    device, dtype, tp_mesh, rank = start_inference(args.device, args.dtype)
+    model, tokenizer, cfg = load_for_inference(args.target, device, dtype, tp_mesh)
+    if needs_template and is_hf_model_dir(args.target) and cfg.data.sft.template != "jinja":
+        raise ValueError(f"{args.target}: chat uses the model's chat template, but its tokenizer_config.json has no "
+                         f"chat_template (and there is no chat_template.jinja)")
+    completer = Completer(model, tokenizer, cfg, chat=chat, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return completer, rank
+
+
+def run_generate(args) -> None:
+    from maester.tools.generate import Prompt, read_prompts
 
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [Prompt("--prompt", text=args.prompt)]
-    _, _, device = init_distributed(args.device)  # one process: no process group, just the device
-    model, tokenizer, cfg = load_for_inference(args.target, device)
-    chat = args.chat or any(p.messages is not None for p in prompts)
-    if chat and is_hf_model_dir(args.target) and cfg.data.sft.template != "jinja":
-        raise ValueError(f"{args.target}: --chat and conversation prompts use the model's chat template, but its "
-                         f"tokenizer_config.json has no chat_template (and there is no chat_template.jinja)")
-    completer = Completer(model, tokenizer, cfg, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if not args.prompts_file:
-        out = completer.complete(prompts[0])
-        print(out if args.chat else args.prompt + out)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    completer, rank = load_completer(args, args.chat, args.chat or any(p.messages is not None for p in prompts))
+    try:
+        outs = completer.complete_batch(prompts, args.batch_size)
+        if rank == 0:
+            print_results(prompts, outs, args.prompt if not args.prompts_file and not args.chat else None)
+    finally:
+        _leave_process_group()
+
+
+def print_results(prompts, outs: list[str], continued: str | None) -> None:
+    """A single prompt's text and continuation (`continued`: the prompt text, None for an answer), or each result
+    of a prompts file under its prompt."""
+    if len(prompts) == 1 and prompts[0].where == "--prompt":
+        print(outs[0] if continued is None else continued + outs[0])
         return
-    for prompt in prompts:
+    for prompt, out in zip(prompts, outs):
         shown = ([f"{m['role']}: {m['content']}" for m in prompt.messages] if prompt.messages is not None
                  else [prompt.text])
         print(f"### {prompt.where}")
         print("\n".join("> " + line for text in shown for line in text.split("\n")))
-        print(completer.complete(prompt), end="\n\n", flush=True)
+        print(out, end="\n\n", flush=True)
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def add_chat(sub, name: str) -> None:
+    p = sub.add_parser(name, help="talk with a model: the conversation is kept, answers stream as they are "
+                                  "generated; /reset, /system TEXT, /quit")
+    p.add_argument("target", help="a job directory, a checkpoint directory, or an HF model directory with a chat "
+                                  "template")
+    p.add_argument("--system", metavar="TEXT", help="the system prompt (default: the job's data.sft.system_prompt)")
+    add_model_options(p)
+
+
+def run_chat(args) -> None:
+    from maester.tools.chat import ChatSession, run_session
+
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("chat reads one terminal: run it as one process, without torchrun (tensor-parallel "
+                         "generation is `torchrun ... -m maester generate`)")
+    completer, _ = load_completer(args, chat=True, needs_template=True)
+    run_session(ChatSession(completer, args.system), input, sys.stdout)
 
 
 def add_convert(sub, name: str) -> None:

@@ -58,6 +58,20 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
     return model
 
 
+def materialize_for_loading(model: nn.Module, device: torch.device) -> nn.Module:
+    """Allocate a meta-built model on `device` for weights that are loaded next, strictly (a checkpoint's, an HF
+    directory's): the parameters stay as allocated, in the dtype they were built in, and only the buffers no
+    checkpoint holds (RoPE frequencies) are computed. No random init: the load overwrites every parameter."""
+    from maester.models.layers import RotaryEmbedding
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_parameters()
+    return model
+
+
 def build_model(cfg: ModelConfig, tokenizer_vocab: int, device: torch.device, seed: int,
                 mup: MupConfig | None = None) -> nn.Module:
     """The whole model on one device, in float32, initialised from `seed`: for tools, tests and the seed

@@ -255,13 +255,16 @@ def _attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, 
 
 
 def cached_attention_mask(start: int, seq: int, device: torch.device, window: int | None,
-                          softcap: bool = False) -> AttentionMask:
+                          padding: torch.Tensor | None = None, softcap: bool = False) -> AttentionMask:
     """Decoding with a KV cache: `seq` new queries at positions start.. over the start + seq cached keys (in
-    plain torch ops when the scores are soft-capped)."""
+    plain torch ops when the scores are soft-capped). `padding` (batch, cache length): True on the positions no
+    query may see but their own (so that a padding query's row of scores is never empty)."""
     q_pos = torch.arange(start, start + seq, device=device)
     k_pos = torch.arange(start + seq, device=device)
-    return AttentionMask("eager" if softcap else "sdpa", window, dense=causal_window_mask(q_pos, k_pos, window)[None, None],
-                         cast_dtype=_autocast_dtype(device))
+    dense = causal_window_mask(q_pos, k_pos, window)[None, None]
+    if padding is not None:
+        dense = dense & (~padding[:, None, None, :start + seq] | (q_pos[:, None] == k_pos[None, :]))
+    return AttentionMask("eager" if softcap else "sdpa", window, dense=dense, cast_dtype=_autocast_dtype(device))
 
 
 def _causal(b, h, q_idx, kv_idx):

@@ -28,7 +28,7 @@ from maester.models.layers import (
     LayerCache,
     RMSNorm,
     RotaryEmbedding,
-    attention_mask,
+    attention_mask as document_attention_mask,
     build_norm,
     cached_attention_mask,
 )
@@ -67,16 +67,27 @@ class TransformerBlock(nn.Module):
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding, and how many positions are filled."""
+    """Keys and values of every layer for incremental decoding, how many positions are filled, and which of them
+    are padding (`padding`, batch x max_len, True there; None while none is: a left-padded batch sets it).
+    `kv_heads`: the heads this process holds (tensor parallel splits them); None: all of them."""
 
-    def __init__(self, args: TransformerArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
-        shape = (batch, args.n_kv_heads, max_len, args.resolved_head_dim)
+    def __init__(self, args: TransformerArgs, batch: int, max_len: int, device: torch.device, dtype: torch.dtype,
+                 kv_heads: int | None = None):
+        shape = (batch, kv_heads or args.n_kv_heads, max_len, args.resolved_head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.length = 0
+        self.padding: torch.Tensor | None = None
 
     def layer(self, i: int) -> LayerCache:
         return LayerCache(self.keys[i], self.values[i], self.length)
+
+    def mark_padding(self, attention_mask: torch.Tensor) -> None:
+        """Record which of the next positions are padding: `attention_mask` (batch, seq) is 0 there."""
+        if self.padding is None:
+            self.padding = torch.zeros(self.keys[0].shape[0], self.keys[0].shape[2], dtype=torch.bool,
+                                       device=attention_mask.device)
+        self.padding[:, self.length:self.length + attention_mask.shape[1]] = attention_mask == 0
 
 
 class Transformer(nn.Module):
@@ -128,7 +139,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                labels: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (batch, seq) -> logits (batch, seq, vocab); with `labels` (batch, seq), the summed
         cross-entropy instead (`maester.models.loss`), computed without the whole batch's logits.
         `document_offsets`: where each document starts in the flattened batch (`Batch.document_offsets`, made on
@@ -137,7 +149,9 @@ class Transformer(nn.Module):
         `position_ids` default to 0..seq-1 (after the cached positions with `cache`); with `document_ids` (-1 on
         padding), attention stays within each document. `args.attention` picks the kernel (see
         `layers.resolve_attention`), never the result. With `cache` the tokens continue the cached ones
-        (decoding; masked SDPA, no documents) and the cache grows by seq.
+        (decoding; masked SDPA, no documents) and the cache grows by seq; `attention_mask` (batch, seq), with
+        `cache` only, is 0 on the left padding of a batch of prompts, which no other token attends to (pass their
+        `position_ids` too, counted from each row's first token).
         """
         bsz, seq = input_ids.shape
         device = input_ids.device
@@ -155,14 +169,18 @@ class Transformer(nn.Module):
         needs_grad = torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad
         masks = {}
         softcap = self.args.attn_logit_softcap is not None
+        if attention_mask is not None:
+            if cache is None:
+                raise ValueError("attention_mask marks the padding of a batch decoded with a KV cache: pass cache")
+            cache.mark_padding(attention_mask)
         for window in set(self.layer_windows):
             if cache is not None:
                 if document_ids is not None:
                     raise ValueError("decoding with a KV cache takes no document_ids")
-                masks[window] = cached_attention_mask(start, seq, device, window, softcap)
+                masks[window] = cached_attention_mask(start, seq, device, window, cache.padding, softcap)
             else:
-                masks[window] = attention_mask(self.args.attention, document_ids, bsz, seq, device, needs_grad,
-                                               window, document_offsets, softcap)
+                masks[window] = document_attention_mask(self.args.attention, document_ids, bsz, seq, device,
+                                                        needs_grad, window, document_offsets, softcap)
         for i, block in enumerate(self.layers.values()):
             cos, sin = ropes[self.layer_ropes[i]]
             if cache is None:

@@ -99,6 +99,32 @@ def choose_device_type(choice: str, precision: str, env: Mapping[str, str] | Non
     return "cpu"
 
 
+def choose_inference_device(choice: str, local_rank: int = 0, env: Mapping[str, str] | None = None) -> torch.device:
+    """The device of `--device` for generate and chat: `cpu`; `cuda` (the GPU of this process, LOCAL_RANK under
+    torchrun); `cuda:N`; or `auto`, the GPU where torch can use one and the CPU only where nothing says a GPU was
+    meant (as `training.device = "auto"`). A GPU asked for and unusable is an error, never a CPU run."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        reasons = gpu_intent("auto", env)
+        if reasons:
+            raise DeviceUnavailable(f"--device auto found no usable GPU, but a GPU was meant ({'; '.join(reasons)}): "
+                                    f"{why_no_gpu()}. To run on the CPU on purpose, pass --device cpu")
+        return torch.device("cpu")
+    kind, _, index = choice.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"--device {choice!r} is not one of auto, cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(f"--device {choice}, but {why_no_gpu()}")
+    n = int(index) if index else local_rank
+    if n >= torch.cuda.device_count():
+        raise DeviceUnavailable(f"--device {choice}: torch sees {torch.cuda.device_count()} GPU(s), "
+                                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", n)
+
+
 def describe_environment(device: torch.device) -> str:
     """torch, CUDA/HIP and driver versions, the collective library and the GPU: one line for the start of a log."""
     parts = [f"torch {torch.__version__}"]

@@ -36,57 +36,96 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
     return model
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """Megatron-style TP with sequence parallel between blocks and a vocabulary-sharded output for loss parallel."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
+    """Megatron-style TP over the heads and the MLP's hidden width, with a vocabulary-sharded embedding and head.
+    With `sequence_parallel` (training), the activations between blocks are split along the sequence and the
+    logits stay vocabulary-sharded for loss parallel. Without it (generation, where a decoding step has one token
+    to split), the same plan keeps the activations whole on every rank (the block outputs are all-reduced) and the
+    logits come out gathered (untied head) or as a vocabulary-sharded DTensor (tied head): torchtitan's generation
+    script applies the same "TP minus SP"."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, tp_mesh, _root_plan(model, sequence_parallel))
+    if model.output is None:
+        # Tied head: F.linear(h, tok_embeddings.weight) with the vocabulary-sharded (Shard(0)) embedding. A replicated
+        # final hidden state (gathered from its sequence shards under SP) makes that a column-parallel matmul:
+        # vocabulary-sharded logits (Shard(-1)) for loss_parallel, as ColwiseParallel gives an untied head.
+        model.norm.register_forward_hook(_replicate_output if sequence_parallel else partial(_as_replicated, tp_mesh))
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+
+
+def _replicate_output(module, args, out):
+    from torch.distributed.tensor import Replicate
+
+    return out.redistribute(out.device_mesh, [Replicate()])
+
+
+def _as_replicated(mesh, module, args, out):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+
+def _root_plan(model: nn.Module, sequence_parallel: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if not sequence_parallel:
+        plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())}
+        if model.output is not None:
+            plan["output"] = ColwiseParallel(output_layouts=Replicate())
+        return plan
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+    }
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
-        parallelize_module,
     )
 
-    root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
+    between_blocks = Shard(1) if sequence_parallel else Replicate()
+    # Under SP each branch gathers its sequence-sharded input first (the same plan order as before SP was optional).
+    gather = {
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    } if sequence_parallel else {}
+    plan = {
+        **({"attention": gather["attention"]} if gather else {}),
+        "attention.q_proj": ColwiseParallel(),
+        "attention.k_proj": ColwiseParallel(),
+        "attention.v_proj": ColwiseParallel(),
+        "attention.o_proj": RowwiseParallel(output_layouts=between_blocks),
+        **({"feed_forward": gather["feed_forward"]} if gather else {}),
+        "feed_forward.up_proj": ColwiseParallel(),
+        "feed_forward.down_proj": RowwiseParallel(output_layouts=between_blocks),
     }
-    if model.output is not None:
-        root_plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                              use_local_output=False)
-    parallelize_module(model, tp_mesh, root_plan)
-    if model.output is None:
-        # Tied head: F.linear(h, tok_embeddings.weight) with the vocabulary-sharded (Shard(0)) embedding. Gathering
-        # the final norm's sequence-sharded output makes that a column-parallel matmul: vocabulary-sharded
-        # logits (Shard(-1)) for loss_parallel, as ColwiseParallel gives an untied head.
-        model.norm.register_forward_hook(
-            lambda module, args, out: out.redistribute(out.device_mesh, [Replicate()]))
-    for block in model.layers.values():
-        plan = {
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                            desired_input_layouts=(Replicate(), None, None, None)),
-            "attention.q_proj": ColwiseParallel(),
-            "attention.k_proj": ColwiseParallel(),
-            "attention.v_proj": ColwiseParallel(),
-            "attention.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.up_proj": ColwiseParallel(),
-            "feed_forward.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        if hasattr(block.feed_forward, "gate_proj"):
-            plan["feed_forward.gate_proj"] = ColwiseParallel()
+    if hasattr(block.feed_forward, "gate_proj"):
+        plan["feed_forward.gate_proj"] = ColwiseParallel()
+    if sequence_parallel:
         # Norms see sequence-sharded activations (absent ones are nn.Identity); a post-norm's output joins the
         # residual stream, which is a plain (sequence-sharded) tensor.
         for norm in ("attention_norm", "post_attention_norm", "ffn_norm", "post_ffn_norm"):
             if not isinstance(getattr(block, norm), nn.Identity):
                 plan[norm] = SequenceParallel(use_local_output=norm.startswith("post"))
-        # QK-norm inside attention sees this rank's heads, in dim 2 either way: of (batch, seq, heads, head_dim)
-        # per head, of (batch, seq, heads * head_dim) across heads (OLMo 2), where DTensor reduces the mean over
-        # the ranks. The weight is a replicated DTensor, so its gradient is summed over the ranks.
-        if block.attention.qk_norm != "none":
-            for norm in ("attention.q_norm", "attention.k_norm"):
-                plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(block, tp_mesh, plan)
+    # QK-norm inside attention sees this rank's heads, in dim 2 either way: of (batch, seq, heads, head_dim)
+    # per head, of (batch, seq, heads * head_dim) across heads (OLMo 2), where DTensor reduces the mean over
+    # the ranks. The weight is a replicated DTensor, so its gradient is summed over the ranks.
+    if block.attention.qk_norm != "none":
+        for norm in ("attention.q_norm", "attention.k_norm"):
+            plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
 
 
 def uses_loss_parallel(model: nn.Module) -> bool:

@@ -10,6 +10,9 @@
 Under FSDP the mixed-precision policy alone casts (no autocast on top), as torchtitan does: two mechanisms
 casting the same tensors hid that `fp32` computed in bf16. `auto` is `bf16` on GPUs and `fp32` on CPU.
 Gradients are reduced in `parallel.reduce_dtype` (float32 by default) in every mode.
+
+Inference (`maester generate`, `maester chat`) stores and computes in one dtype, `inference_dtype`: `auto` is
+bfloat16 on GPUs and float32 on CPU, as for training.
 """
 
 from __future__ import annotations
@@ -49,6 +52,15 @@ def resolve_precision(precision: str, param_dtype: str, device_type: str, fsdp: 
     return Precision(mode=mode, compute_dtype=dtype, param_dtype=stored,
                      autocast_dtype=dtype if mixed and not fsdp else None,
                      fsdp_param_dtype=dtype if fsdp else None, loss_scaling=mode == "fp16")
+
+
+def inference_dtype(choice: str, device_type: str) -> torch.dtype:
+    """The dtype a model is loaded and run in for generation: `choice` is one of `DTYPES` or `auto`."""
+    if choice == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    if choice not in DTYPES:
+        raise ValueError(f"--dtype {choice!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[choice]
 
 
 def autocast(precision: Precision, device: torch.device):

@@ -4,6 +4,7 @@ prompt, or a file of them (a smoke suite)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,49 +13,102 @@ from torch import nn
 
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer, build_tokenizer
-from maester.models.build import build_model
+from maester.tools.sampling import sample, sample_batch
 from maester.train.checkpoint import resolve_checkpoint
 from maester.train.checkpoint_files import load_model_weights
 
 
-def load_for_inference(target: str | Path, device: torch.device) -> tuple[nn.Module, Tokenizer, Config]:
+def start_inference(device_choice: str, dtype_choice: str) -> tuple[torch.device, torch.dtype, object, int]:
+    """This process's device (`--device`) and the dtype (`--dtype`, `auto`: bfloat16 on GPUs, float32 on CPU);
+    under torchrun (WORLD_SIZE > 1), also the process group and a tensor-parallel mesh over every process.
+    Returns (device, dtype, the mesh or None, rank)."""
+    import torch.distributed as dist
+
+    from maester.parallel.devices import choose_inference_device, process_group_backend
+    from maester.parallel.precision import inference_dtype
+
+    world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and device_choice.startswith("cuda:"):
+        raise ValueError(f"--device {device_choice} names one GPU, but torchrun started {world} processes, each of "
+                         f"which takes the GPU of its LOCAL_RANK: pass --device cuda")
+    device = choose_inference_device(device_choice, local_rank)
+    dtype = inference_dtype(dtype_choice, device.type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world == 1:
+        return device, dtype, None, 0
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group(process_group_backend(device.type))
+    return device, dtype, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)), dist.get_rank()
+
+
+def load_for_inference(target: str | Path, device: torch.device, dtype: torch.dtype = torch.float32,
+                       tp_mesh=None) -> tuple[nn.Module, Tokenizer, Config]:
     """Model and tokenizer from a job directory or checkpoint (with the config saved in the checkpoint), or from an
-    HF model directory (config.json, safetensors and the tokenizer.json beside them)."""
+    HF model directory (config.json, safetensors and the tokenizer.json beside them). The model is built on the
+    meta device with its parameters in `dtype`, then allocated on `device` and filled from the weights: no float32
+    copy of it is made first. With `tp_mesh` it is sharded over that mesh before it is allocated (the training TP
+    plan without sequence parallel), so each process holds its share of every block."""
     from maester.tools.hf_dir import is_hf_model_dir
+    from maester.train.hf_weights import load_hf_weights
 
     if is_hf_model_dir(target):
-        return load_hf_model_dir(Path(target), device)
-    path = resolve_checkpoint(target)
-    cfg = Config.from_json_file(path / "config.json")
+        path = Path(target)
+        cfg = hf_model_config(path)
+    else:
+        path = resolve_checkpoint(target)
+        cfg = Config.from_json_file(path / "config.json")
     tokenizer = build_tokenizer(cfg.tokenizer)
-    return load_checkpoint_model(path, cfg, tokenizer, device).eval(), tokenizer, cfg
+    model = build_for_loading(cfg, tokenizer, device, dtype, tp_mesh)
+    if is_hf_model_dir(target):
+        load_hf_weights(path, model, cfg.model.name, str(path))
+    else:
+        load_model_weights(path, model)
+    return model.eval(), tokenizer, cfg
 
 
-def load_checkpoint_model(path: Path, cfg: Config, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
-    """The model of checkpoint `path`, built from its config `cfg`, in float32 on `device`."""
-    model = build_model(cfg.model, tokenizer.vocab_size, device, 0, cfg.mup)
+def load_checkpoint_model(path: Path, cfg: Config, tokenizer: Tokenizer, device: torch.device,
+                          dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of checkpoint `path`, built from its config `cfg`, in `dtype` on `device`."""
+    model = build_for_loading(cfg, tokenizer, device, dtype)
     load_model_weights(path, model)
     return model
 
 
-def load_hf_model_dir(path: Path, device: torch.device) -> tuple[nn.Module, Tokenizer, Config]:
-    """An HF model directory as a model (float32 on `device`), its tokenizer, and the config that describes them:
-    the architecture from config.json (`model.hf_config`), the tokenizer and its chat template as `maester convert
-    from-hf` would set them."""
+def build_for_loading(cfg: Config, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype,
+                      tp_mesh=None) -> nn.Module:
+    """The model of `cfg` on `device` with its parameters in `dtype`, uninitialised (weights are loaded next);
+    sharded with tensor parallel over `tp_mesh` when given."""
+    from maester.models.build import build_on_meta, materialize_for_loading, resolve_args
+
+    args = resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup)
+    model = build_on_meta(cfg.model, args, dtype)
+    if tp_mesh is not None:
+        from maester.parallel.parallelize import apply_tensor_parallel
+
+        tp = tp_mesh.size()
+        for name in ("n_heads", "n_kv_heads", "ffn_hidden_dim"):
+            if getattr(args, name) % tp:
+                raise ValueError(f"tensor parallel over {tp} processes does not divide the model's {name} "
+                                 f"({getattr(args, name)}): launch a number of processes that divides it")
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
+    return materialize_for_loading(model, device)
+
+
+def hf_model_config(path: Path) -> Config:
+    """The config that describes an HF model directory: the architecture from config.json (`model.hf_config`),
+    the tokenizer and its chat template as `maester convert from-hf` would set them."""
     from maester.models.hf import read_hf_config, transformer_args_from_hf
     from maester.tools.hf_dir import hf_tokenizer_settings
-    from maester.train.hf_weights import load_hf_weights
 
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json: generating from an HF directory needs the model's "
                                 f"tokenizer.json (and tokenizer_config.json) beside its weights")
     hf = read_hf_config(path)
     transformer_args_from_hf(hf, str(path / "config.json"))  # its errors name the file, not pydantic's Config
-    cfg = Config.model_validate({"model": {"hf_config": str(path)}, **hf_tokenizer_settings(path, hf)})
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    model = build_model(cfg.model, tokenizer.vocab_size, device, 0, cfg.mup)
-    load_hf_weights(path, model, cfg.model.name, str(path))
-    return model.eval(), tokenizer, cfg
+    return Config.model_validate({"model": {"hf_config": str(path)}, **hf_tokenizer_settings(path, hf)})
 
 
 # ---------------------------------------------------------------- prompts
@@ -127,15 +181,57 @@ class Completer:
 
     def complete(self, prompt: Prompt) -> str:
         """The generated text: the answer of a chat prompt, the continuation of a text."""
-        stop: set[int] = set()
+        return self.complete_batch([prompt])[0]
+
+    def complete_batch(self, prompts: list[Prompt], batch_size: int = 1) -> list[str]:
+        """`complete` of each prompt, decoded `batch_size` at a time in left-padded batches (the same tokens as one
+        at a time); a batch holds prompts of one kind (chat or text), which stop at the same tokens."""
+        if batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+        encoded = [self.encode(p) for p in prompts]
+        results: list[str] = []
+        start = 0
+        while start < len(encoded):
+            end = start + 1
+            while end < len(encoded) and end - start < batch_size and encoded[end][1] == encoded[start][1]:
+                end += 1
+            outs = sample_batch(self.model, [ids for ids, _ in encoded[start:end]], self.max_new_tokens,
+                                eos_id=self.tokenizer.eos_id, stop_ids=encoded[start][1],
+                                vocab_size=self.tokenizer.vocab_size, **self.sampling)
+            results += [self.tokenizer.decode(out) for out in outs]
+            start = end
+        return results
+
+    def stream(self, prompt: Prompt, write) -> str:
+        """`complete` of one prompt, its text passed to `write` piece by piece as the tokens are chosen (a piece is
+        held back while it ends inside a character that later tokens complete)."""
+        ids, stop = self.encode(prompt)
+        out: list[int] = []
+        shown = ""
+
+        def on_token(token: int) -> None:
+            nonlocal shown
+            out.append(token)
+            text = self.tokenizer.decode(out)
+            if not text.endswith("\ufffd") and text.startswith(shown):
+                write(text[len(shown):])
+                shown = text
+
+        sample(self.model, ids, self.max_new_tokens, eos_id=self.tokenizer.eos_id, stop_ids=stop,
+               on_token=on_token, vocab_size=self.tokenizer.vocab_size, **self.sampling)
+        text = self.tokenizer.decode(out)
+        if text.startswith(shown) and text != shown:
+            write(text[len(shown):])
+        return text
+
+    def encode(self, prompt: Prompt) -> tuple[list[int], frozenset[int]]:
+        """The prompt's token ids and the ids that end its answer (besides EOS)."""
         if prompt.messages is not None or self.chat:
             encoder, stop = self._chat()
             ids, _ = encoder.prompt(prompt.messages or [{"role": "user", "content": prompt.text}])
-        else:
-            ids = ([self.tokenizer.bos_id] if self.cfg.data.add_bos else []) + self.tokenizer.encode(prompt.text)
-        out = sample(self.model, ids, self.max_new_tokens, eos_id=self.tokenizer.eos_id, stop_ids=stop,
-                     **self.sampling)
-        return self.tokenizer.decode(out)
+            return ids, frozenset(stop)
+        return ([self.tokenizer.bos_id] if self.cfg.data.add_bos else []) + self.tokenizer.encode(prompt.text), \
+            frozenset()
 
     def _chat(self):
         """The chat encoder of the config's `data.sft` and the ids that end an answer, built once."""
@@ -145,53 +241,3 @@ class Completer:
             encoder = ChatEncoder(self.tokenizer, self.cfg.data.sft, self.cfg.tokenizer.path)
             self._encoder = encoder, encoder.stop_ids()
         return self._encoder
-
-
-@torch.no_grad()
-def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-           top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
-           stop_ids: set[int] = frozenset()) -> list[int]:
-    """Continue `prompt` with a KV cache: one forward over the prompt, then one per new token. Temperature 0
-    is greedy; otherwise sample from the temperature-scaled distribution cut to the `top_k` most likely
-    tokens and to the smallest set holding `top_p` of the probability. Stops after `max_new_tokens`, at the
-    model's context length, at EOS or at any of `stop_ids` (a chat template's end of turn)."""
-    from maester.models.transformer import KVCache
-
-    if not prompt:
-        raise ValueError("generation needs a prompt of at least one token")
-    context = model.args.max_seq_len
-    if len(prompt) >= context:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {context}")
-    stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
-    weight = next(model.parameters())
-    device = weight.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    steps = min(max_new_tokens, context - len(prompt))
-    cache = KVCache(model.args, 1, len(prompt) + steps, device, weight.dtype)
-    logits = model(torch.tensor([prompt], device=device), cache=cache)[0, -1]
-    out: list[int] = []
-    for step in range(steps):
-        next_id = _pick(logits.float(), temperature, top_k, top_p, generator)
-        if next_id in stop:
-            break
-        out.append(next_id)
-        if step + 1 < steps:
-            logits = model(torch.tensor([[next_id]], device=device), cache=cache)[0, -1]
-    return out
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-          generator: torch.Generator) -> int:
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already hold top_p (the most likely one always stays).
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))

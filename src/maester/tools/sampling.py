@@ -1,0 +1,120 @@
+"""Decoding with a KV cache: greedy, temperature, top-k, top-p; one prompt, or a batch of prompts left-padded to
+one length and decoded together with the same tokens as one at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
+           stop_ids: set[int] = frozenset(), on_token: Callable[[int], None] | None = None,
+           vocab_size: int | None = None) -> list[int]:
+    """Continue `prompt` with a KV cache: one forward over the prompt, then one per new token. Temperature 0
+    is greedy; otherwise sample from the temperature-scaled distribution cut to the `top_k` most likely
+    tokens and to the smallest set holding `top_p` of the probability. Stops after `max_new_tokens`, at the
+    model's context length, at EOS or at any of `stop_ids` (a chat template's end of turn). `on_token` is called
+    with each new token as it is chosen (streaming). `vocab_size`: the tokenizer's; the ids past it (the model's
+    vocabulary is rounded up) are never chosen."""
+    stream = None if on_token is None else (lambda row, token: on_token(token))
+    return sample_batch(model, [prompt], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_id=eos_id, seed=seed, stop_ids=stop_ids, on_token=stream, vocab_size=vocab_size)[0]
+
+
+@torch.no_grad()
+def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
+                 stop_ids: set[int] = frozenset(),
+                 on_token: Callable[[int, int], None] | None = None,
+                 vocab_size: int | None = None) -> list[list[int]]:
+    """`sample` for each of `prompts` at once: they are left-padded to the longest (the padding masked out, each
+    row's positions counted from its first token), each row stops on its own, and each samples from its own
+    generator seeded with `seed`, so a prompt gets the tokens it gets alone. `on_token(row, token)`: streaming."""
+    context = model.args.max_seq_len
+    for prompt in prompts:
+        if not prompt:
+            raise ValueError("generation needs a prompt of at least one token")
+        if len(prompt) >= context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {context}")
+    stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
+    weight = next(model.parameters())
+    device = weight.device
+    limits = [min(max_new_tokens, context - len(p)) for p in prompts]
+    longest, steps = max(map(len, prompts)), max(limits)
+    cache = _new_cache(model, len(prompts), longest + steps, device, weight.dtype)
+    pads = torch.tensor([longest - len(p) for p in prompts], device=device)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+    positions = None
+    if pads.any():
+        real = (torch.arange(longest, device=device)[None] >= pads[:, None]).long()
+        positions = (real.cumsum(1) - 1).clamp(min=0)
+        logits = _last_logits(model(ids, position_ids=positions, cache=cache, attention_mask=real))
+        positions = positions[:, -1:] + 1
+    else:
+        logits = _last_logits(model(ids, cache=cache))
+    generators = [torch.Generator(device=device).manual_seed(seed) for _ in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [limit <= 0 for limit in limits]
+    for _ in range(steps):
+        picked = [0] * len(prompts)  # a finished row is fed token 0, and its logits ignored
+        for row in range(len(prompts)):
+            if done[row]:
+                continue
+            token = _pick(logits[row, :vocab_size].float(), temperature, top_k, top_p, generators[row])
+            if token in stop:
+                done[row] = True
+                continue
+            picked[row] = token
+            out[row].append(token)
+            if on_token is not None:
+                on_token(row, token)
+            done[row] = len(out[row]) >= limits[row]
+        if all(done):
+            break
+        logits = _last_logits(model(torch.tensor(picked, device=device)[:, None], position_ids=positions,
+                                    cache=cache))
+        if positions is not None:
+            positions = positions + 1
+    return out
+
+
+def _new_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype):
+    """A KV cache for `model`, with the key/value heads this process holds (all, or its share under TP)."""
+    from torch.distributed.tensor import DTensor
+
+    from maester.models.transformer import KVCache
+
+    k_proj = next(iter(model.layers.values())).attention.k_proj.weight
+    rows = k_proj.to_local().shape[0] if isinstance(k_proj, DTensor) else k_proj.shape[0]
+    return KVCache(model.args, batch, length, device, dtype, kv_heads=rows // model.args.resolved_head_dim)
+
+
+def _last_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(batch, vocab) at the last position; a vocabulary-sharded DTensor (tensor parallel) is gathered first, so
+    every process picks from the same numbers."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return logits[:, -1]
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+          generator: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already hold top_p (the most likely one always stays).
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
