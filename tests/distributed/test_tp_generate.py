@@ -7,11 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from maester.tools.generate import load_for_inference
 from maester.tools.sampling import sample
-from tests.helpers import REPO, clean_env, seed_job
+from tests.helpers import REPO, clean_env, run_maester, seed_job, torchrun
 
 TEXTS = ["the model reads", "a token", "the optimizer updates every weight of the network", "so"]
 
@@ -41,3 +42,23 @@ def test_two_processes_generate_what_one_does(corpus, tmp_path):
             assert got["one_at_a_time"] == greedy
             assert got["batched"] == greedy
             assert got["sampled"] == sampled
+
+
+def test_torchrun_generate_prints_what_one_process_prints(corpus, tmp_path):
+    """The command as a user runs it: only rank 0 prints, and it prints the single process's results."""
+    job = seed_job(corpus, tmp_path / "jobs", "llama")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(TEXTS) + "\n")
+    args = ["generate", str(job), "--prompts-file", str(prompts), "--max-new-tokens", "8", "--device", "cpu"]
+    one = run_maester(args, tmp_path)
+    two = torchrun(2, args, tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert two.stdout == one.stdout and one.stdout.count("### ") == len(TEXTS)
+
+
+def test_under_torchrun_each_process_takes_its_own_gpu(monkeypatch):
+    from maester.tools.generate import start_inference
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--device cuda:1 names one GPU, but torchrun started 2 processes"):
+        start_inference("cuda:1", "auto")
