@@ -196,8 +196,7 @@ class Completer:
             while end < len(encoded) and end - start < batch_size and encoded[end][1] == encoded[start][1]:
                 end += 1
             outs = sample_batch(self.model, [ids for ids, _ in encoded[start:end]], self.max_new_tokens,
-                                eos_id=self.tokenizer.eos_id, stop_ids=encoded[start][1],
-                                vocab_size=self.tokenizer.vocab_size, **self.sampling)
+                                eos_id=self.tokenizer.eos_id, stop_ids=encoded[start][1], **self.sampling)
             results += [self.tokenizer.decode(out) for out in outs]
             start = end
         return results
@@ -218,7 +217,7 @@ class Completer:
                 shown = text
 
         sample(self.model, ids, self.max_new_tokens, eos_id=self.tokenizer.eos_id, stop_ids=stop,
-               on_token=on_token, vocab_size=self.tokenizer.vocab_size, **self.sampling)
+               on_token=on_token, **self.sampling)
         text = self.tokenizer.decode(out)
         if text.startswith(shown) and text != shown:
             write(text[len(shown):])

@@ -12,25 +12,22 @@ from torch import nn
 @torch.no_grad()
 def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
-           stop_ids: set[int] = frozenset(), on_token: Callable[[int], None] | None = None,
-           vocab_size: int | None = None) -> list[int]:
+           stop_ids: set[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
     """Continue `prompt` with a KV cache: one forward over the prompt, then one per new token. Temperature 0
     is greedy; otherwise sample from the temperature-scaled distribution cut to the `top_k` most likely
     tokens and to the smallest set holding `top_p` of the probability. Stops after `max_new_tokens`, at the
     model's context length, at EOS or at any of `stop_ids` (a chat template's end of turn). `on_token` is called
-    with each new token as it is chosen (streaming). `vocab_size`: the tokenizer's; the ids past it (the model's
-    vocabulary is rounded up) are never chosen."""
+    with each new token as it is chosen (streaming)."""
     stream = None if on_token is None else (lambda row, token: on_token(token))
     return sample_batch(model, [prompt], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_id=eos_id, seed=seed, stop_ids=stop_ids, on_token=stream, vocab_size=vocab_size)[0]
+                        eos_id=eos_id, seed=seed, stop_ids=stop_ids, on_token=stream)[0]
 
 
 @torch.no_grad()
 def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
                  stop_ids: set[int] = frozenset(),
-                 on_token: Callable[[int, int], None] | None = None,
-                 vocab_size: int | None = None) -> list[list[int]]:
+                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
     """`sample` for each of `prompts` at once: they are left-padded to the longest (the padding masked out, each
     row's positions counted from its first token), each row stops on its own, and each samples from its own
     generator seeded with `seed`, so a prompt gets the tokens it gets alone. `on_token(row, token)`: streaming."""
@@ -64,7 +61,7 @@ def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int
         for row in range(len(prompts)):
             if done[row]:
                 continue
-            token = _pick(logits[row, :vocab_size].float(), temperature, top_k, top_p, generators[row])
+            token = _pick(logits[row].float(), temperature, top_k, top_p, generators[row])
             if token in stop:
                 done[row] = True
                 continue
