@@ -16,7 +16,7 @@ class TokenizerConfig(Section):
     `sentencepiece`: a SentencePiece `.model` file. `tiktoken`: a local BPE rank file (`<base64 token> <rank>`
     per line, as `cl100k_base.tiktoken` or Llama 3's `tokenizer.model`), or a named encoding (`encoding`)."""
     path: str | None = None
-    """For `hf`: the `tokenizer.json` file or the directory that holds it; else the model / rank file."""
+    """For `hf`: a `tokenizer.json` or its directory; else the model / rank file; or a Hub id `org/name[@rev]`."""
     encoding: str | None = None
     """`tiktoken` only, instead of `path`: one of tiktoken's named encodings (`gpt2`, `cl100k_base`, `o200k_base`,
     ...), with its own pattern and special tokens, loaded through tiktoken's cache (`TIKTOKEN_CACHE_DIR`)."""

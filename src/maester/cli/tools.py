@@ -138,6 +138,10 @@ def add_convert(sub, name: str) -> None:
     t.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     t.add_argument("--upload", metavar="ORG/NAME",
                    help="then upload OUT to this Hugging Face Hub repository (needs the `hub` extra)")
+    t.add_argument("--revision", metavar="BRANCH",
+                   help="with --upload: upload to this branch (created from main if absent), e.g. step-400")
+    t.add_argument("--base-model", metavar="ORG/NAME",
+                   help="the Hub model this one was trained from, recorded in the model card (README.md)")
 
 
 def run_convert(args) -> None:
@@ -151,8 +155,9 @@ def run_convert(args) -> None:
                   f"before generating from it or converting it back", file=sys.stderr)
         return
     out = to_hf(args.target, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                tokenizer=not args.no_tokenizer, upload=args.upload)
-    print(f"wrote the Hugging Face model directory {out}" + (f"; uploaded to {args.upload}" if args.upload else ""))
+                tokenizer=not args.no_tokenizer, upload=args.upload, revision=args.revision, base_model=args.base_model)
+    where = f"{args.upload}" + (f" (branch {args.revision})" if args.revision else "")
+    print(f"wrote the Hugging Face model directory {out}" + (f"; uploaded to {where}" if args.upload else ""))
 
 
 def add_checkpoint(sub, name: str) -> None:

@@ -53,10 +53,10 @@ class RecordEncoder:
 
     def __init__(self, tokenizer_cfg: TokenizerConfig, sft: SFTConfig, text_key: str, skip_invalid: bool):
         from maester.data.chat import ChatEncoder
-        from maester.data.tokenizers import build_tokenizer
+        from maester.data.tokenizers import build_tokenizer, tokenizer_path
 
         self.tokenizer = build_tokenizer(tokenizer_cfg)
-        self.encoder = ChatEncoder(self.tokenizer, sft, tokenizer_cfg.path)
+        self.encoder = ChatEncoder(self.tokenizer, sft, tokenizer_cfg.path and str(tokenizer_path(tokenizer_cfg)))
         self.text_key, self.skip_invalid = text_key, skip_invalid
 
     def __call__(self, chunk: list[tuple[str, dict]]) -> list:

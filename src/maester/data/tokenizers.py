@@ -417,19 +417,37 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     if cfg.kind == "byte":
         tok = ByteTokenizer()
     elif cfg.kind == "hf":
-        tok = HFTokenizer(cfg.path, cfg.bos_token, cfg.eos_token, cfg.pad_token)
+        tok = HFTokenizer(tokenizer_path(cfg), cfg.bos_token, cfg.eos_token, cfg.pad_token)
     elif cfg.kind == "sentencepiece":
-        tok = SentencePieceTokenizer(cfg.path, cfg.bos_token, cfg.eos_token, cfg.pad_token)
+        tok = SentencePieceTokenizer(tokenizer_path(cfg), cfg.bos_token, cfg.eos_token, cfg.pad_token)
     elif cfg.kind == "tiktoken" and cfg.encoding:
         tok = TiktokenTokenizer.named(cfg.encoding, cfg.bos_token, cfg.eos_token, cfg.pad_token)
     elif cfg.kind == "tiktoken":
-        tok = TiktokenTokenizer(cfg.path, cfg.pattern, cfg.special_tokens, cfg.bos_token, cfg.eos_token,
+        tok = TiktokenTokenizer(tokenizer_path(cfg), cfg.pattern, cfg.special_tokens, cfg.bos_token, cfg.eos_token,
                                 cfg.pad_token)
     else:
         raise ValueError(f"tokenizer.kind {cfg.kind!r} is unknown")
     if cfg.control_tokens:
         tok = ControlTokens(tok, cfg.control_tokens)
     return tok
+
+
+def tokenizer_path(cfg: TokenizerConfig) -> Path:
+    """`tokenizer.path` as a local file or directory: a Hub id (`org/name[@revision]`, when no such path exists) is
+    fetched into the Hugging Face cache; the kinds that read one file take the repository's `tokenizer.model`."""
+    from maester.hub import is_hub_id, local_path
+
+    if cfg.path is None:
+        raise ValueError(f"tokenizer.path is not set (tokenizer.kind = {cfg.kind!r})")
+    if not is_hub_id(cfg.path):
+        return Path(cfg.path)
+    directory = local_path(cfg.path, "tokenizer.path", "tokenizer")
+    if cfg.kind == "hf":
+        return directory
+    if not (directory / "tokenizer.model").is_file():
+        raise ValueError(f"tokenizer.path = {cfg.path!r}: the Hub repository has no tokenizer.model, which "
+                         f"tokenizer.kind = {cfg.kind!r} reads")
+    return directory / "tokenizer.model"
 
 
 def token_content(value) -> str | None:

@@ -95,6 +95,7 @@ def render_slurm_script(cfg: Config, job_dir: Path, workdir: Path | None = None)
 def check_inputs(cfg: Config) -> list[str]:
     """What would make the job fail at once on the cluster: missing data, tokenizer or init_from paths."""
     from maester.data.text_files import resolve_files
+    from maester.hub import is_hub_id
 
     problems = []
     for i, source in enumerate(cfg.data.sources):
@@ -104,11 +105,11 @@ def check_inputs(cfg: Config) -> list[str]:
             resolve_files(source)
         except (FileNotFoundError, ValueError) as e:
             problems.append(f"data.sources[{i}].path: {e}")
-    if cfg.tokenizer.path is not None and not Path(cfg.tokenizer.path).exists():
+    if cfg.tokenizer.path is not None and not Path(cfg.tokenizer.path).exists() and not is_hub_id(cfg.tokenizer.path):
         problems.append(f"tokenizer.path: {cfg.tokenizer.path} does not exist")
     if cfg.checkpoint.init_from:
         source = cfg.checkpoint.init_from_path
-        if not Path(source).exists():
+        if not Path(source).exists() and not (source != cfg.checkpoint.init_from and is_hub_id(source)):
             problems.append(f"checkpoint.init_from: {source} does not exist")
     return problems
 

@@ -23,8 +23,8 @@ class ModelConfig(Section):
     """Build the architecture at this width (model dim) with its head dim held fixed: the heads, KV heads and FFN
     width scale with it (μP width sweeps). None: the flavor's own width."""
     hf_config: str | None = None
-    """A Hugging Face `config.json` (or the directory holding it) to take the architecture from instead of a
-    flavor; `name` follows its model_type and `overrides` still apply, e.g. a public model with fewer layers."""
+    """A Hugging Face `config.json` (or the directory holding it, or a Hub id `org/name[@revision]`, whose
+    config.json is fetched into the Hugging Face cache) to take the architecture from instead of a flavor; `name` follows its model_type and `overrides` still apply, e.g. a public model with fewer layers."""
     attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """The attention kernel; it changes speed and memory, never parameters or results. `sdpa`:
     `scaled_dot_product_attention`, with a dense (batch, seq, seq) mask when rows pack several documents; runs
@@ -46,12 +46,14 @@ class ModelConfig(Section):
                 raise ValueError(f"model.width and model.overrides.{clash[0]} exclude each other: the width sets "
                                  f"{', '.join(WIDTH_FIELDS)}")
         if self.hf_config is not None:
+            from maester.hub import local_path
             from maester.models.hf import architecture_of, read_hf_config
 
             if self.flavor != ModelConfig.model_fields["flavor"].default:
                 raise ValueError(f"model.flavor ({self.flavor!r}) and model.hf_config exclude each other: the "
                                  f"architecture comes from the HF config")
-            name = architecture_of(read_hf_config(self.hf_config), f"model.hf_config ({self.hf_config})")
+            config = read_hf_config(local_path(self.hf_config, "model.hf_config", "config"))
+            name = architecture_of(config, f"model.hf_config ({self.hf_config})")
             if self.name != name and self.name != ModelConfig.model_fields["name"].default:
                 raise ValueError(f"model.name {self.name!r} differs from model.hf_config's model type ({name})")
             object.__setattr__(self, "name", name)
@@ -77,9 +79,11 @@ class ModelConfig(Section):
             raise ValueError("; ".join(f"model.overrides.{k} is not a field of {self.name}{suggest(k, fields)}"
                                        for k in bad))
         if self.hf_config is not None:
+            from maester.hub import local_path
             from maester.models.hf import args_from_hf, read_hf_config
 
-            base = args_from_hf(read_hf_config(self.hf_config), f"model.hf_config ({self.hf_config})")[1]
+            config = read_hf_config(local_path(self.hf_config, "model.hf_config", "config"))
+            base = args_from_hf(config, f"model.hf_config ({self.hf_config})")[1]
         else:
             base = arch.flavors[self.flavor].model_dump()
         if self.width is not None:

@@ -27,10 +27,12 @@ from typing import Any
 import torch
 
 from maester.config import Config
-from maester.data.tokenizers import ByteTokenizer, build_tokenizer
+from maester.data.tokenizers import ByteTokenizer, build_tokenizer, tokenizer_path
 from maester.files import fsync_dir, fsync_file, parse_shard_size, read_json_object, umask_mode
 from maester.parallel.precision import DTYPES
 from maester.tools.hf_dir import hf_tokenizer_settings
+from maester.tools.model_card import model_card
+from maester.train.checkpoint_files import read_trainer_state
 from maester.models.args import TransformerArgs
 from maester.progress import stages
 from maester.models.hf import check_convertible, hf_config, read_hf_config, transformer_args_from_hf
@@ -49,9 +51,14 @@ _NOT_ARCHITECTURE = ("attention",)
 
 
 def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", tokenizer: bool = True) -> Path:
-    """Convert the HF model directory `hf_dir` into the maester checkpoint directory `out`; returns `out`."""
-    hf_dir, out = Path(hf_dir), Path(out)
+    """Convert the HF model directory `hf_dir` (or Hub id `org/name[@revision]`, fetched into the Hugging Face
+    cache) into the maester checkpoint directory `out`; returns `out`."""
+    from maester.hub import is_hub_id, local_path
+
+    origin = str(hf_dir) if is_hub_id(str(hf_dir)) else str(Path(hf_dir).resolve())
+    out = Path(out)
     _refuse_existing(out)
+    hf_dir = local_path(str(hf_dir), "convert from-hf")
     hf = read_hf_config(hf_dir)
     name, args = transformer_args_from_hf(hf, str(hf_dir / "config.json"))
     if tokenizer and not (hf_dir / "tokenizer.json").is_file():
@@ -88,7 +95,7 @@ def from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", toke
                 raise AssertionError(f"flavor {flavor!r} with overrides {overrides} does not rebuild {hf_dir}'s model")
             _save_model_state(tmp, name, args, state)
             _write_json(tmp / "config.json", cfg.model_dump(mode="json"))
-            _write_json(tmp / "trainer_state.json", {"step": 0, "converted_from": str(hf_dir.resolve()),
+            _write_json(tmp / "trainer_state.json", {"step": 0, "converted_from": origin,
                                                      "dtype": dtype})
     return out
 
@@ -131,9 +138,11 @@ def _save_model_state(directory: Path, name: str, args: TransformerArgs, state: 
 
 
 def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
-          tokenizer: bool = True, upload: str | None = None) -> Path:
-    """Convert the checkpoint of `target` (a checkpoint or job directory) into the HF model directory `out`, then
-    upload it to the Hub repository `upload` if given; returns `out`."""
+          tokenizer: bool = True, upload: str | None = None, revision: str | None = None,
+          base_model: str | None = None) -> Path:
+    """Convert the checkpoint of `target` (a checkpoint or job directory) into the HF model directory `out`, with a
+    model card naming the job, the step and `base_model`, then upload it to the Hub repository `upload` if given, on
+    the branch `revision` (created from main if absent); returns `out`."""
     from maester.models.build import resolve_args
     from maester.tools.generate import load_checkpoint_model
     from maester.train.checkpoint import resolve_checkpoint
@@ -144,6 +153,7 @@ def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_sh
         max_bytes = parse_shard_size(max_shard_size)
     except ValueError as e:
         raise ValueError(f"--max-shard-size: {e}") from None
+    _check_upload_options(upload, revision, base_model)
     if upload is not None:
         _hub_api(upload)  # fail before converting when the upload cannot happen
     path = resolve_checkpoint(target)
@@ -169,9 +179,11 @@ def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_sh
             _write_json(tmp / "generation_config.json", generation_config(cfg, tok))
             if tokenizer:
                 _write_tokenizer_files(cfg, tmp, args.max_seq_len)
+            (tmp / "README.md").write_text(model_card(job=cfg.job.name, step=read_trainer_state(path)["step"],
+                                                      checkpoint=path, architecture=name, base_model=base_model))
         if upload is not None:
             next_stage()
-            upload_folder(out, upload)
+            upload_folder(out, upload, revision)
     return out
 
 
@@ -192,7 +204,7 @@ def _write_tokenizer_files(cfg: Config, directory: Path, max_seq_len: int) -> No
     if cfg.tokenizer.kind == "byte":
         write_byte_tokenizer(directory, max_seq_len)
         return
-    source = Path(cfg.tokenizer.path)
+    source = tokenizer_path(cfg.tokenizer)
     source_dir = source if source.is_dir() else source.parent
     shutil.copyfile(source_dir / "tokenizer.json" if source.is_dir() else source, directory / "tokenizer.json")
     for file in TOKENIZER_FILES[1:]:
@@ -251,6 +263,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_REVISION = re.compile(r"^[A-Za-z0-9][\w.\-/]*$")
 
 
 def _hub_api(repo_id: str):
@@ -264,16 +277,30 @@ def _hub_api(repo_id: str):
     return huggingface_hub.HfApi()
 
 
-def upload_folder(directory: Path, repo_id: str) -> None:
-    """Create the Hub model repository `repo_id` if needed and upload `directory` into it (credentials as
-    huggingface_hub finds them: HF_TOKEN or `hf auth login`)."""
+def _check_upload_options(upload: str | None, revision: str | None, base_model: str | None) -> None:
+    if revision is not None and upload is None:
+        raise ValueError(f"--revision {revision!r} names the branch to upload to: it needs --upload ORG/NAME")
+    if revision is not None and not _REVISION.match(revision):
+        raise ValueError(f"--revision {revision!r}: expected a branch name such as step-400 (letters, digits, "
+                         "'.', '_', '-', '/')")
+    if base_model is not None and not _REPO_ID.match(base_model):
+        raise ValueError(f"--base-model {base_model!r}: expected a Hub repository as ORG/NAME")
+
+
+def upload_folder(directory: Path, repo_id: str, revision: str | None = None) -> None:
+    """Create the Hub model repository `repo_id` if needed and upload `directory` into it, on the branch `revision`
+    (created from main if absent; default main). Credentials as huggingface_hub finds them: HF_TOKEN or `hf auth
+    login`."""
     api = _hub_api(repo_id)
     try:
         api.create_repo(repo_id, repo_type="model", exist_ok=True)
-        api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model")
+        if revision not in (None, "main"):
+            api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
+        api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model", revision=revision)
     except OSError as e:  # huggingface_hub's HTTP errors are OSErrors
+        again = f"hf upload {repo_id} {directory}" + (f" --revision {revision}" if revision else "")
         raise ValueError(f"--upload {repo_id}: {e} ({directory} is complete; upload it again with "
-                         f"`hf upload {repo_id} {directory}`)") from None
+                         f"`{again}`)") from None
 
 
 # ---------------------------------------------------------------- files

@@ -47,13 +47,17 @@ def start_inference(device_choice: str, dtype_choice: str) -> tuple[torch.device
 def load_for_inference(target: str | Path, device: torch.device, dtype: torch.dtype = torch.float32,
                        tp_mesh=None) -> tuple[nn.Module, Tokenizer, Config]:
     """Model and tokenizer from a job directory or checkpoint (with the config saved in the checkpoint), or from an
-    HF model directory (config.json, safetensors and the tokenizer.json beside them). The model is built on the
-    meta device with its parameters in `dtype`, then allocated on `device` and filled from the weights: no float32
-    copy of it is made first. With `tp_mesh` it is sharded over that mesh before it is allocated (the training TP
-    plan without sequence parallel), so each process holds its share of every block."""
+    HF model directory (config.json, safetensors and the tokenizer.json beside them) or Hub id `org/name[@revision]`,
+    fetched into the Hugging Face cache. The model is built on the meta device with its parameters in `dtype`, then
+    allocated on `device` and filled from the weights: no float32 copy of it is made first. With `tp_mesh` it is
+    sharded over that mesh before it is allocated (the training TP plan without sequence parallel), so each process
+    holds its share of every block."""
+    from maester.hub import is_hub_id, local_path
     from maester.tools.hf_dir import is_hf_model_dir
     from maester.train.hf_weights import load_hf_weights
 
+    if is_hub_id(str(target)):
+        target = local_path(str(target), "generate")
     if is_hf_model_dir(target):
         path = Path(target)
         cfg = hf_model_config(path)

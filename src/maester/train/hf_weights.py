@@ -1,5 +1,6 @@
-"""A run that starts from the weights of a Hugging Face model directory (`checkpoint.init_from = "hf:PATH"`):
-check that the directory's architecture is the run's, read it on rank 0 and hand each rank its shards."""
+"""A run that starts from the weights of a Hugging Face model directory (`checkpoint.init_from = "hf:PATH"`, or
+`hf:org/name[@revision]`, a Hub id fetched into the Hugging Face cache): check that the directory's architecture is
+the run's, read it on rank 0 and hand each rank its shards."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def hf_architecture_differences(name: str, args, hf_name: str, hf_args) -> list[
                   for key, (ours, theirs) in args.differences(hf_args, ignore=_HF_FREE_FIELDS).items()]
 
 
-def load_hf_weights(path: Path, model: nn.Module, name: str, where: str) -> None:
+def load_hf_weights(path: str | Path, model: nn.Module, name: str, where: str) -> None:
     """Load the weights of the HF model directory `path` into `model` (architecture `name`), which may be sharded
     (FSDP, TP). With several processes only rank 0 reads the directory; the tensors are broadcast and each rank keeps
-    its shards, and rank 0's error is raised on every rank. The directory's config.json must describe `model.args`
+    its shards, and rank 0's error is raised on every rank. A Hub id is fetched there too, by rank 0 alone. The directory's config.json must describe `model.args`
     (`hf_architecture_differences`); `where` names the setting that asked, for the error."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1
@@ -54,11 +55,13 @@ def load_hf_weights(path: Path, model: nn.Module, name: str, where: str) -> None
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
 
 
-def _read_hf_state(path: Path, model: nn.Module, name: str, where: str) -> dict[str, torch.Tensor]:
+def _read_hf_state(path: str | Path, model: nn.Module, name: str, where: str) -> dict[str, torch.Tensor]:
     """The full state dict of `model` from the HF directory `path`, in the model's dtypes."""
+    from maester.hub import local_path
     from maester.models.hf import read_hf_config, transformer_args_from_hf
     from maester.models.hf_tensors import read_hf_tensors, state_dict_from_hf
 
+    path = local_path(str(path), "checkpoint.init_from")
     hf_name, hf_args = transformer_args_from_hf(read_hf_config(path), str(path / "config.json"))
     differing = hf_architecture_differences(name, model.args, hf_name, hf_args)
     if differing:

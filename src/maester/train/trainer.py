@@ -153,7 +153,7 @@ class Trainer:
             self._take_trainer_state({}, LOAD_MODES["model_only"])
             log.info("initialised model weights from the seed checkpoint %s", latest)
         elif c.init_from_hf is not None:
-            source = Path(c.init_from_hf)
+            source = c.init_from_hf  # a directory or a Hub id, resolved where it is read
             load_hf_weights(source, self.model, self.cfg.model.name, f"checkpoint.init_from = {c.init_from!r}")
             self._take_trainer_state({}, LOAD_MODES["model_only"])
             self.provenance = {"init_from": c.init_from, "load_mode": c.load_mode}
