@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from maester.models.flavors import LLAMA_FLAVORS
-from maester.models.hf import hf_config, state_dict_to_hf, write_hf_tensors
+from maester.models.hf import hf_config
+from maester.models.hf_tensors import state_dict_to_hf, write_hf_tensors
 from maester.models.transformer import Transformer
 from maester.tools.convert import from_hf, to_hf, write_byte_tokenizer
 from tests.helpers import clean_env, run_maester
