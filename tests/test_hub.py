@@ -161,3 +161,16 @@ def test_to_hf_uploads_to_a_branch_with_a_model_card(hub, tmp_path):
     with pytest.raises(ValueError, match="--base-model 'tiny': expected a Hub repository as ORG/NAME"):
         to_hf(ckpt, tmp_path / "x", base_model="tiny")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_file_name_is_never_taken_for_a_hub_id(tmp_path, monkeypatch):
+    from maester.hub import is_hub_id
+
+    assert is_hub_id("Qwen/Qwen2.5-0.5B") and is_hub_id("org/name@step-400")
+    for value in ("nowhere/tokenizer.json", "llama3/tokenizer.model", "enc/cl100k_base.tiktoken",
+                  "org/model.safetensors"):
+        assert not is_hub_id(value), value
+    monkeypatch.chdir(tmp_path)
+    assert is_hub_id("org/name")
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    assert not is_hub_id("org/name")  # an existing local path wins

@@ -31,9 +31,15 @@ WAIT_SECONDS = 600.0
 """How long a local rank other than 0 waits for the snapshot to appear while nobody holds the lock."""
 
 
+# A name ending so is a file, never a Hub id: `data/tokenizer.json` is a missing local file, not a repository.
+FILE_SUFFIXES = (".json", ".model", ".tiktoken", ".safetensors", ".bin", ".pt", ".txt", ".jsonl", ".parquet")
+
+
 def is_hub_id(value: str) -> bool:
     """Whether `value` is spelled as a Hub id and is not a path that exists (a local path always wins)."""
-    return bool(HUB_ID.match(value)) and not value.startswith((".", "~")) and not Path(value).exists()
+    match = HUB_ID.match(value)
+    return (bool(match) and not value.startswith((".", "~")) and not match["repo"].lower().endswith(FILE_SUFFIXES)
+            and not Path(value).exists())
 
 
 def local_path(value: str, key: str, files: str = "model") -> Path:
