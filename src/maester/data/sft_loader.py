@@ -75,6 +75,22 @@ class RecordEncoder:
         return out
 
 
+def encode_in_chunks(records, init_args: tuple, chunk_size: int, workers: int, skipped: Counter):
+    """Encode (where, record) pairs with `RecordEncoder(*init_args)` in `workers` processes, in input order. Yields,
+    per chunk, (records read, its valid (tokens, labels)); each InvalidRecord is counted in `skipped` by reason."""
+    from maester.data.records import InvalidRecord
+    from maester.data.worker_pool import chunked, map_in_order
+
+    for results in map_in_order(RecordEncoder, init_args, chunked(records, chunk_size), workers):
+        valid = []
+        for result in results:
+            if isinstance(result, InvalidRecord):
+                skipped[result.reason] += 1
+            else:
+                valid.append(result)
+        yield len(results), valid
+
+
 def _held_out(name: str, n: int, fraction: float) -> np.ndarray:
     """A fixed validation split: item i of source `name` is held out when its hash falls below the fraction."""
     if fraction == 0 or n == 0:

@@ -24,11 +24,10 @@ import numpy as np
 from maester.config import SFTConfig, TokenizerConfig
 from maester.data.packing import (IGNORE_INDEX, OVERLONG, PackedRows, best_fit_decreasing, fit_length, pack_rows,
                                   packing_efficiency)
-from maester.data.records import InvalidRecord, RecordReader
+from maester.data.records import RecordReader
 from maester.files import AtomicOutputs
 from maester.tools.data_report import Progress, Summary
-from maester.data.sft_loader import RecordEncoder
-from maester.data.worker_pool import chunked, map_in_order
+from maester.data.sft_loader import RecordEncoder, encode_in_chunks
 
 COLUMNS = ("input_ids", "labels", "position_ids", "document_ids", "seq_lens")
 DEFAULT_ROWS_PER_FILE = 8192
@@ -137,12 +136,9 @@ def pack(inputs: Sequence[str], output_dir: str, tokenizer: TokenizerConfig, *, 
     skipped: Counter[str] = Counter()
     examples: list[tuple[np.ndarray, np.ndarray]] = []
     with Progress("pack", summary, reader.count_records()) as progress, AtomicOutputs() as outputs:
-        for results in map_in_order(RecordEncoder, init_args, chunked(records, _CHUNK_RECORDS), workers):
+        for read, encoded in encode_in_chunks(records, init_args, _CHUNK_RECORDS, workers, skipped):
             tokens = 0
-            for result in results:
-                if isinstance(result, InvalidRecord):
-                    skipped[result.reason] += 1
-                    continue
+            for result in encoded:
                 fitted = fit_length(result[0], result[1], seq_len, overlong)
                 if fitted is None:
                     counts["dropped"] += 1
@@ -151,7 +147,7 @@ def pack(inputs: Sequence[str], output_dir: str, tokenizer: TokenizerConfig, *, 
                 counts["untrained"] += not (fitted[1] != IGNORE_INDEX).any()
                 examples.append(fitted)
                 tokens += len(fitted[0])
-            progress.update(len(results), tokens)
+            progress.update(read, tokens)
 
         if not examples:
             raise ValueError(f"no conversation to pack: {summary.documents} read, {counts['dropped']} longer than "

@@ -299,9 +299,8 @@ def tokenize_conversations(reader: RecordReader, total: int | None, output_prefi
     """Each record a conversation, encoded as `data.sft` would in training (`chat`: its values), written as
     `<output_prefix>_text_document` and `<output_prefix>_label_document` (one sequence per conversation)."""
     from maester.data.batch import IGNORE_INDEX
-    from maester.data.records import InvalidRecord
     from maester.data.sft_indexed import ConversationWriter
-    from maester.data.sft_loader import RecordEncoder
+    from maester.data.sft_loader import RecordEncoder, encode_in_chunks
     from maester.tools.data_pack import sft_config
 
     sft = sft_config(**chat)
@@ -313,16 +312,13 @@ def tokenize_conversations(reader: RecordReader, total: int | None, output_prefi
     trained = 0
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     with Progress("tokenize", summary, total) as progress, ConversationWriter(output_prefix) as out:
-        for results in map_in_order(RecordEncoder, init_args, chunked(records, chunk_size), workers):
+        for read, encoded in encode_in_chunks(records, init_args, chunk_size, workers, skipped):
             tokens = 0
-            for result in results:
-                if isinstance(result, InvalidRecord):
-                    skipped[result.reason] += 1
-                    continue
+            for result in encoded:
                 out.add(*result)
                 tokens += len(result[0])
                 trained += int((result[1] != IGNORE_INDEX).sum())
-            progress.update(len(results), tokens)
+            progress.update(read, tokens)
     skipped.update(reader.skipped)
     summary.skipped = skipped
     summary.extra = {"trained": trained, "dtype": "int32", "template": sft.template, "mask": sft.mask,
