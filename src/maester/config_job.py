@@ -91,6 +91,18 @@ class SlurmConfig(Section):
     checkpoints and the job requeues itself. 0: no warning."""
     requeue: bool = True
     """Requeue the job (`scontrol requeue`) after a checkpoint forced by the warning or a preemption."""
+    max_restarts: int = Field(0, ge=0)
+    """Restart the job after a failure (a crash, a killed process, out of memory, a collective timeout), up to this
+    many times per submission, resuming from `latest`: `scontrol requeue`, else `sbatch` of the script again. A bad
+    config or input (exit 2), a non-finite loss (4) and Ctrl-C (130) are never retried. Each restart is a line of
+    `slurm_jobs.jsonl`. Stops for the walltime or a preemption are not failures and do not count."""
+    after: list[str] = Field(default_factory=list)
+    """Shell commands of a post-processing job (`after.sh`), submitted once when training completes, e.g.
+    `['maester convert to-hf "$JOB_DIR" "$JOB_DIR/hf"']`; they run in order in the working directory, with
+    `JOB_DIR` set and `maester` the job's own (its Python and container), and the first that fails ends the job."""
+    after_sbatch: list[str] = Field(default_factory=list)
+    """More `#SBATCH` lines for the post-processing job (one node, one task, no GPUs, the job's partition,
+    account, qos, time, mem and cpus), e.g. `["--partition=small", "--time=02:00:00"]`."""
     extra_sbatch: list[str] = Field(default_factory=list)
     """More `#SBATCH` lines, without the prefix, e.g. `["--mail-type=END", "--constraint=a100"]`."""
     modules: list[str] = Field(default_factory=list)
@@ -119,11 +131,17 @@ class SlurmConfig(Section):
         for key in ("binds", "options"):
             for i, value in enumerate(getattr(self.container, key)):
                 check_script_value(value, f"slurm.container.{key}[{i}]")
-        for i, line in enumerate(self.extra_sbatch):
-            check_script_value(line, f"slurm.extra_sbatch[{i}]")
-            if line.startswith("#") or "\n" in line or not line.startswith("-"):
-                raise ValueError(f"slurm.extra_sbatch: {line!r} must be one sbatch option such as '--qos=high' "
-                                 f"(without '#SBATCH')")
+        for key in ("extra_sbatch", "after_sbatch"):
+            for i, line in enumerate(getattr(self, key)):
+                check_script_value(line, f"slurm.{key}[{i}]")
+                if line.startswith("#") or "\n" in line or not line.startswith("-"):
+                    raise ValueError(f"slurm.{key}: {line!r} must be one sbatch option such as '--qos=high' "
+                                     f"(without '#SBATCH')")
+        for i, command in enumerate(self.after):
+            check_script_value(command, f"slurm.after[{i}]")
+            if not command.strip():
+                raise ValueError(f"slurm.after[{i}] is empty: give a shell command, e.g. 'maester convert to-hf "
+                                 f"\"$JOB_DIR\" \"$JOB_DIR/hf\"'")
         if not all(part.isdigit() for part in self.time.replace("-", ":").split(":")):
             raise ValueError(f"slurm.time {self.time!r} is not a SLURM time such as '02:00:00' or '1-12:00:00'")
         for key in self.env:

@@ -35,6 +35,8 @@ COMMANDS = {
     "checkpoint": Command(tools.add_checkpoint, tools.run_checkpoint),
     "plot": Command(tools.add_plot, tools.run_plot),
     "report": Command(tools.add_report, tools.run_report),
+    "status": Command(tools.add_status, tools.run_status),
+    "cancel": Command(tools.add_cancel, tools.run_cancel),
     "preflight": Command(training.add_preflight, training.run_preflight, overrides=True),
     "data": Command(data.add_data, data.run_data),
 }

@@ -223,3 +223,32 @@ def run_report(args) -> None:
     report = write_report(Path(args.job), Path(args.out) if args.out else None)
     print(report.summary)
     print(f"wrote {report.png} and {report.text}")
+
+
+def add_status(sub, name: str) -> None:
+    p = sub.add_parser(name, help="where a submitted job stands: SLURM state (squeue, sacct), step, loss, time "
+                                  "left, restarts after failures, post-processing")
+    p.add_argument("job", help="a job directory")
+
+
+def run_status(args) -> None:
+    from pathlib import Path
+
+    from maester.tools.job_status import format_status, status_items
+
+    print(format_status(Path(args.job), status_items(Path(args.job))))
+
+
+def add_cancel(sub, name: str) -> None:
+    p = sub.add_parser(name, help="scancel a job's SLURM jobs still queued or running (chain links, restarts, "
+                                  "post-processing); the trainer saves a checkpoint on the way out")
+    p.add_argument("job", help="a job directory")
+
+
+def run_cancel(args) -> None:
+    from pathlib import Path
+
+    from maester.tools.job_status import cancel
+
+    ids = cancel(Path(args.job))
+    print(f"cancelled {' '.join(ids)}" if ids else "nothing queued or running")

@@ -94,6 +94,9 @@ def add_submit(sub, name: str) -> None:
     p.add_argument("--chain", type=int, default=1, metavar="K",
                    help="submit K jobs, each starting when the previous ends (afterany): runs longer than the walltime")
     p.add_argument("--after", metavar="JOBID", help="the first job waits for this SLURM job to end")
+    p.add_argument("--then", action="append", default=[], metavar="COMMAND",
+                   help="a post-processing command, run once in a job of its own when training completes (adds to "
+                        "slurm.after; repeat for more), e.g. --then 'maester convert to-hf \"$JOB_DIR\" out/hf'")
 
 
 def run_submit(args) -> None:
@@ -103,6 +106,10 @@ def run_submit(args) -> None:
 
     overrides = list(args.overrides) + ([f"--job.name={args.name}"] if args.name else [])
     cfg = load_config(args.config, overrides)
+    if args.then:
+        import json
+
+        cfg = load_config(args.config, overrides + [f"--slurm.after={json.dumps(cfg.slurm.after + args.then)}"])
     if args.dry_run:
         print(cfg.to_json(), end="")
         print(f"# dry run: would write {cfg.job_dir}/config.json, slurm.sh, logs/, checkpoints/", file=sys.stderr)

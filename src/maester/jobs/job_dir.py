@@ -1,4 +1,5 @@
-"""The job directory: `jobs/<name>/{config.json, slurm.sh, logs/, checkpoints/}`, everything a run needs."""
+"""The job directory: `jobs/<name>/{config.json, slurm.sh, logs/, checkpoints/}`, everything a run needs (and
+`after.sh`, the post-processing job, when `slurm.after` has commands)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from maester.config import Config, load_config
 from maester.files import write_atomically
-from maester.jobs.slurm import render_slurm_script
+from maester.jobs.slurm import AFTER_SCRIPT, render_after_script, render_slurm_script
 
 log = logging.getLogger("maester")
 
@@ -30,8 +31,14 @@ def write_job_dir(cfg: Config, job_dir: Path | None = None) -> Path:
     for sub in ("logs", "checkpoints"):
         (job_dir / sub).mkdir(parents=True, exist_ok=True)
     write_atomically(job_dir / CONFIG_FILE, cfg.to_json())
-    write_atomically(job_dir / "slurm.sh", render_slurm_script(cfg, job_dir, _workdir_of(job_dir / "slurm.sh")))
+    workdir = _workdir_of(job_dir / "slurm.sh")
+    write_atomically(job_dir / "slurm.sh", render_slurm_script(cfg, job_dir, workdir))
     os.chmod(job_dir / "slurm.sh", 0o755)
+    if cfg.slurm.after:
+        write_atomically(job_dir / AFTER_SCRIPT, render_after_script(cfg, job_dir, workdir))
+        os.chmod(job_dir / AFTER_SCRIPT, 0o755)
+    else:
+        (job_dir / AFTER_SCRIPT).unlink(missing_ok=True)
     return job_dir
 
 

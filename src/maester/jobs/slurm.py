@@ -2,7 +2,8 @@
 
 Templates: `default` and `lumi` ship in `maester/jobs/templates/`; `slurm.template` may also name a file of your
 own, which can `{% include "run.sh.j2" %}` for maester's launch-and-requeue body. Undefined variables are errors.
-Every submission is recorded in `jobs/<name>/slurm_jobs.jsonl` (one JSON object per SLURM job id).
+Every submission is recorded in `jobs/<name>/slurm_jobs.jsonl` (one JSON object a line), and so are the
+restarts after failures (`slurm.max_restarts`) and the post-processing job (`slurm.after`): `maester.jobs.job_end`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ CPUS_PER_GPU = 8
 """Cores per GPU when `slurm.cpus_per_task` is unset: the launcher, one rank per GPU and its loader workers."""
 PRESETS = {"lumi": dict(gpus_per_node=8, cpus_per_task=56, mem="0", partition="standard-g")}
 JOB_IDS_FILE = "slurm_jobs.jsonl"
+AFTER_TEMPLATE = "after.sh.j2"
+AFTER_SCRIPT = "after.sh"
 
 
 class SubmitError(ValueError):
@@ -62,6 +65,15 @@ def container_prefix(cfg: Config, job_dir: Path, workdir: Path) -> str:
 
 def render_slurm_script(cfg: Config, job_dir: Path, workdir: Path | None = None) -> str:
     """The job script for `cfg`, run from `workdir` (default: the current directory)."""
+    return _render(cfg, job_dir, workdir)
+
+
+def render_after_script(cfg: Config, job_dir: Path, workdir: Path | None = None) -> str:
+    """The post-processing job's script (`slurm.after`), from the packaged `after.sh.j2` whatever the template."""
+    return _render(cfg, job_dir, workdir, AFTER_TEMPLATE)
+
+
+def _render(cfg: Config, job_dir: Path, workdir: Path | None, packaged: str | None = None) -> str:
     import jinja2
 
     job_dir, workdir = Path(job_dir).resolve(), Path(workdir or Path.cwd()).resolve()
@@ -78,6 +90,8 @@ def render_slurm_script(cfg: Config, job_dir: Path, workdir: Path | None = None)
     if s.cpus_per_task is None and s.gpus_per_node:  # the cluster's default is often one core per task
         s = s.model_copy(update={"cpus_per_task": CPUS_PER_GPU * s.gpus_per_node})
     search, name = _template_source(s.template)
+    if packaged is not None:
+        name = packaged
     python = s.python or ("python3" if s.container.runtime != "none" else sys.executable)
     context = dict(job_name=cfg.job.name, job_dir=str(job_dir), workdir=str(workdir), slurm=s,
                    nproc_per_node=s.nproc_per_node or s.gpus_per_node or 1, python=python,
@@ -136,16 +150,86 @@ def submit_job(job_dir: Path, chain: int = 1, after: str | None = None) -> list[
         previous = ids[-1] if ids else after
         job_id = sbatch(job_dir / "slurm.sh", f"afterany:{previous}" if previous else None)
         ids.append(job_id)
-        record = {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "link": link + 1,
-                  "chain": chain, "after": previous}
-        with open(job_dir / JOB_IDS_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        record_job(job_dir, {"job_id": job_id, "event": "submit", "link": link + 1, "chain": chain,
+                             "after": previous})
     return ids
 
 
+def record_job(job_dir: Path, record: dict) -> None:
+    """Append one line to `slurm_jobs.jsonl`, with the time first after the job id."""
+    record = {"job_id": record["job_id"], "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), **record}
+    with open(Path(job_dir) / JOB_IDS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def recorded_jobs(job_dir: Path) -> list[dict]:
-    """The submissions of a job directory, oldest first."""
+    """The records of a job directory, oldest first: each submission (`event` "submit", or no event in records
+    written before restarts existed), each restart after a failure ("restart") and the post-processing job
+    ("after")."""
     path = Path(job_dir) / JOB_IDS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e})") from None
+    return records
+
+
+def training_jobs(records: list[dict]) -> list[dict]:
+    """The records of jobs that train (submissions and restarts), not the post-processing job."""
+    return [r for r in records if r.get("event", "submit") in ("submit", "restart")]
+
+
+def restarts_since_submission(records: list[dict]) -> list[dict]:
+    """The restarts after failures since the last `maester submit` (or sweep retry): what `slurm.max_restarts`
+    counts."""
+    since = [r for r in records if r.get("event", "submit") in ("submit", "restart")]
+    last_submit = max((i for i, r in enumerate(since) if r.get("event", "submit") == "submit"), default=-1)
+    return [r for r in since[last_submit + 1:] if r.get("event") == "restart"]
+
+
+ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
+                 "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED"}
+
+
+def slurm_state(job_id: str) -> str:
+    """The SLURM state of a job: squeue while it is queued or running, then sacct, then scontrol."""
+    for cmd in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
+                ["scontrol", "show", "job", job_id]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        text = out.stdout.strip()
+        if out.returncode != 0 or not text:
+            continue
+        if cmd[0] == "scontrol":
+            for field in text.split():
+                if field.startswith("JobState="):
+                    return field.split("=", 1)[1]
+            continue
+        return text.splitlines()[0].split()[0].rstrip("+")
+    return "UNKNOWN"
+
+
+def cancel_jobs(job_ids: list[str]) -> list[str]:
+    """`scancel` those of `job_ids` still queued or running; returns them."""
+    active = [j for j in dict.fromkeys(job_ids) if slurm_state(j) in ACTIVE_STATES]
+    if active:
+        if shutil.which("scancel") is None:
+            raise SubmitError("scancel is not on PATH: this machine is not a SLURM login node")
+        out = subprocess.run(["scancel", *active], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SubmitError(f"scancel {' '.join(active)} failed: {out.stderr.strip() or out.stdout.strip()}")
+    return active
+
+
+def describe_restarts(records: list[dict]) -> list[str]:
+    """One line per restart after a failure, oldest first: when, which job, the cause, the step it resumed from."""
+    return [f"{r['restart']} of {r.get('max_restarts', '?')}: job {r.get('failed_job', '?')} failed with exit code "
+            f"{r['exit_code']} ({r['cause']})" + (f" on rank {r['rank']}" if r.get("rank") is not None else "")
+            + f" at {r.get('submitted', '?')}; resumed from step {r.get('step') or 0} as job {r['job_id']}"
+            for r in records if r.get("event") == "restart"]

@@ -22,7 +22,6 @@ import csv
 import itertools
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,14 +32,13 @@ from maester.config_job import check_name
 from maester.config_sources import read_config_file
 from maester.files import AtomicOutputs
 from maester.jobs.job_dir import write_job_dir
-from maester.jobs.slurm import SubmitError, check_inputs, recorded_jobs, submit_job
+from maester.jobs.slurm import (ACTIVE_STATES, SubmitError, cancel_jobs, check_inputs, recorded_jobs, slurm_state,
+                                submit_job, training_jobs)
 from maester.progress import progress_bar
 
 SWEEP_FILE = "sweep.json"
 FAILED_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
                  "PREEMPTED"}
-ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
-                 "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED"}
 _KEYS = {"name", "base", "mode", "fixed", "parameters", "dump_dir"}
 
 
@@ -150,30 +148,11 @@ def load_sweep(root: Path) -> dict:
     return json.loads(file.read_text())
 
 
-def slurm_state(job_id: str) -> str:
-    """The SLURM state of a job: squeue while it is queued or running, then sacct, then scontrol."""
-    for cmd in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
-                ["scontrol", "show", "job", job_id]):
-        if shutil.which(cmd[0]) is None:
-            continue
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        text = out.stdout.strip()
-        if out.returncode != 0 or not text:
-            continue
-        if cmd[0] == "scontrol":
-            for field in text.split():
-                if field.startswith("JobState="):
-                    return field.split("=", 1)[1]
-            continue
-        return text.splitlines()[0].split()[0].rstrip("+")
-    return "UNKNOWN"
-
-
 def point_status(root: Path, point: dict) -> dict:
     from maester.train.metrics import read_metrics
 
     job_dir = Path(root) / point["name"]
-    jobs = recorded_jobs(job_dir)
+    jobs = training_jobs(recorded_jobs(job_dir))
     job_id = jobs[-1]["job_id"] if jobs else None
     state = slurm_state(job_id) if job_id else "NOT SUBMITTED"
     if (job_dir / "COMPLETED").exists():
@@ -202,10 +181,7 @@ def format_status(rows: list[dict]) -> str:
 
 def cancel(root: Path) -> list[str]:
     """scancel every point's latest job that is still queued or running; returns the ids cancelled."""
-    ids = [r["job_id"] for r in status(root) if r["job_id"] and r["state"] in ACTIVE_STATES]
-    if ids:
-        subprocess.run(["scancel", *ids], check=True)
-    return ids
+    return cancel_jobs([r["job_id"] for r in status(root) if r["job_id"] and r["state"] in ACTIVE_STATES])
 
 
 def retry(root: Path) -> list[str]:

@@ -2,8 +2,9 @@
 
 Everything comes from the job directory: `config.json` (model, training.steps), `metrics.jsonl` (training and
 validation records; a running job's half-written last line is ignored), the `COMPLETED` and `requeue-requested`
-markers (the status) and `checkpoints/latest`. Nothing is written into the job directory except the PNG and the
-summary beside it, so a report can be drawn while the job trains.
+markers (the status), `checkpoints/latest` and `slurm_jobs.jsonl` (the restarts after failures). Nothing is
+written into the job directory except the PNG and the summary beside it, so a report can be drawn while the job
+trains.
 
 The "recent window" is the last `RECENT` logged training steps, leaving out the first logged step (its time
 includes start-up); throughput, MFU, data-loading share, the smoothed loss and the pace of the ETA are taken
@@ -20,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from maester.config import Config
+from maester.jobs.slurm import describe_restarts, recorded_jobs
 from maester.train.metrics import read_metrics
 from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE, read_marker
 
@@ -218,6 +220,11 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
     skipped = _values(train, "skipped_steps")
     if skipped and skipped[-1]:
         items.append(("skipped steps", f"{skipped[-1]} (non-finite loss or gradients)"))
+
+    restarts = describe_restarts(recorded_jobs(job_dir))
+    if restarts:
+        items.append(("restarts", f"{len(restarts)} after failures (slurm.max_restarts = {cfg.slurm.max_restarts})"))
+        items += [("", line) for line in restarts]
 
     checkpoint = Checkpointer(job_dir, cfg.checkpoint).latest()
     items.append(("checkpoint", str(checkpoint.relative_to(job_dir.resolve())) if checkpoint else "none yet"))

@@ -5,6 +5,9 @@ Points: `after_step` (SIGKILL after the optimizer step), `during_save` (SIGKILL 
 written), `before_manifest` (SIGKILL with every file but the manifest written), `before_latest` (SIGKILL after
 the rename, before `latest` moves), `nan_loss` (the step's loss becomes NaN before backward), `hang` (sleep `_MAESTER_HANG_SECONDS`, default
 600, after the step: a rank that stops answering collectives).
+
+`_MAESTER_FAULT_ONCE=<file>`: only the first fault due happens (it creates the file, exclusively; no fault happens
+while the file exists), so a restarted run goes past it: a job that crashes once, then resumes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import time
 
 ENV = "_MAESTER_FAULT"
+ONCE_ENV = "_MAESTER_FAULT_ONCE"
 
 
 def fault_at(point: str, step: int) -> bool:
@@ -24,8 +28,20 @@ def fault_at(point: str, step: int) -> bool:
     for item in spec.split(","):
         where, _, only_rank = item.partition("@")
         if where == f"{point}:{step}" and (not only_rank or only_rank == rank):
-            return True
+            return _first_run()
     return False
+
+
+def _first_run() -> bool:
+    """False when `_MAESTER_FAULT_ONCE` names a file an earlier run created; creates it otherwise."""
+    once = os.environ.get(ONCE_ENV)
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return False
+    return True
 
 
 def maybe_crash(point: str, step: int) -> None:

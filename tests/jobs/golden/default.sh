@@ -32,7 +32,7 @@ source /opt/venv/bin/activate
 # training.steps (a later link of a chain) exits at once; one whose steps were raised goes on.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
-rm -f "$JOB_DIR/stop-requested" "$JOB_DIR/requeue-requested"
+rm -f "$JOB_DIR/stop-requested" "$JOB_DIR/requeue-requested" "$JOB_DIR/failure"
 
 # SLURM's warning before the time limit reaches this shell only: ask the trainer to checkpoint and stop.
 trap 'echo "[$(date +%T)] time limit near: asking the trainer to checkpoint"; touch "$JOB_DIR/stop-requested"' USR1
@@ -41,7 +41,9 @@ trap 'echo "[$(date +%T)] time limit near: asking the trainer to checkpoint"; to
 # workers share one core.
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi
 
-srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run \
+# maester.jobs.torchrun is torchrun that exits with the first failed rank's code, writes it to $JOB_DIR/failure
+# and prints one line where torchrun prints a traceback.
+srun --kill-on-bad-exit=1 /opt/venv/bin/python -m maester.jobs.torchrun \
   --nnodes="$SLURM_NNODES" --nproc_per_node=4 \
   --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \
   -m maester train "$JOB_DIR" &

@@ -46,7 +46,7 @@ echo "[$(date '+%F %T')] job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) o
 # training.steps (a later link of a chain) exits at once; one whose steps were raised goes on.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
-rm -f "$JOB_DIR/stop-requested" "$JOB_DIR/requeue-requested"
+rm -f "$JOB_DIR/stop-requested" "$JOB_DIR/requeue-requested" "$JOB_DIR/failure"
 
 # SLURM's warning before the time limit reaches this shell only: ask the trainer to checkpoint and stop.
 trap 'echo "[$(date +%T)] time limit near: asking the trainer to checkpoint"; touch "$JOB_DIR/stop-requested"' USR1
@@ -55,7 +55,9 @@ trap 'echo "[$(date +%T)] time limit near: asking the trainer to checkpoint"; to
 # workers share one core.
 if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"; fi
 
-srun --kill-on-bad-exit=1 singularity exec --bind=/scratch/project_465000001/maester --bind=/scratch/project_465000001/maester/jobs/llama-8b --bind=/scratch/project_465000001 --bind=/flash/project_465000001 /appl/local/containers/rocm-pytorch.sif /opt/venv/bin/python -m torch.distributed.run \
+# maester.jobs.torchrun is torchrun that exits with the first failed rank's code, writes it to $JOB_DIR/failure
+# and prints one line where torchrun prints a traceback.
+srun --kill-on-bad-exit=1 singularity exec --bind=/scratch/project_465000001/maester --bind=/scratch/project_465000001/maester/jobs/llama-8b --bind=/scratch/project_465000001 --bind=/flash/project_465000001 /appl/local/containers/rocm-pytorch.sif /opt/venv/bin/python -m maester.jobs.torchrun \
   --nnodes="$SLURM_NNODES" --nproc_per_node=8 --numa-binding=exclusive \
   --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID" \
   -m maester train "$JOB_DIR" &

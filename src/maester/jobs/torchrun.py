@@ -1,0 +1,97 @@
+"""`python -m maester.jobs.torchrun ARGS`: torchrun (`torch.distributed.run`, the same arguments) as the job
+script runs it on each node, ending the way a job script can read.
+
+- It exits with the exit code of the rank that failed first (torchrun itself always exits 1), a signal as
+  128 + its number: 2 is a bad config, 3 a stop for a requeue, 137 a rank killed (see `maester.exit_codes`).
+- It writes that first failure to `<job>/failure` (JSON: exit_code, cause, rank, host, time), unless a node's
+  launcher already did: the job script reads it to decide on a restart (`maester.jobs.job_end`).
+- Instead of torchrun's `ChildFailedError` traceback and its per-process lines, a failure is one line naming
+  the rank and the cause (the rank's own traceback, if it had one, is in the log above it), and a stop for a
+  requeue adds nothing to the trainer's own line: it reads as the clean stop it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from maester import exit_codes
+
+FAILURE_FILE = "failure"
+
+
+def root_cause(failures: dict) -> tuple[int, object]:
+    """(global rank, ProcessFailure) of the first failure: the earliest; within the same second, a process that
+    exited on its own before one killed by a signal, and SIGTERM (torchrun ending the others) last."""
+    def order(item):
+        failure = item[1]
+        code = failure.exitcode
+        kind = 0 if code > 0 else (2 if code == -signal.SIGTERM else 1)
+        return failure.timestamp, kind, item[0]
+
+    return min(failures.items(), key=order)
+
+
+def shell_status(code: int) -> int:
+    """A worker's exit code as a shell reports it: a signal N (torchrun's -N) as 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def record_failure(job_dir: Path, record: dict) -> bool:
+    """Write `<job>/failure` unless it exists (created exclusively: the first node's launcher wins)."""
+    text = json.dumps({**record, "time": datetime.now(UTC).isoformat(timespec="seconds")}) + "\n"
+    try:
+        fd = os.open(job_dir / FAILURE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
+
+
+def _job_dir(args) -> Path:
+    if not (args.module and args.training_script == "maester" and args.training_script_args[:1] == ["train"]):
+        raise ValueError(f"maester.jobs.torchrun runs `-m maester train JOB_DIR`, not "
+                         f"{args.training_script} {' '.join(args.training_script_args)}")
+    return Path(args.training_script_args[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.parse_args(argv)
+    job_dir = _job_dir(args)
+    # torchrun's lines as a worker ends ("failed (exitcode: 3) local_rank: 0", "Sending process N closing signal
+    # SIGTERM") say, for each process, what the one line below says.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    host = socket.gethostname()
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        rank, failure = root_cause(e.failures)
+        status = shell_status(failure.exitcode)
+        cause = exit_codes.name_of(status)
+        if status == exit_codes.REQUEUE:  # the trainer said why it stopped, and the job script says what it does
+            return status
+        others = len(e.failures) - 1
+        print(f"torchrun on {host}: rank {rank} (pid {failure.pid}) failed with exit code {status} ({cause})"
+              + (f"; {others} other local rank(s) ended after it" if others else ""), file=sys.stderr)
+        record_failure(job_dir, {"exit_code": status, "cause": cause, "rank": rank, "host": host})
+        return status
+    except SignalException as e:  # torchrun itself was signalled (scancel, scontrol requeue): its workers stopped
+        print(f"torchrun on {host}: got {signal.Signals(e.sigval).name}; the training processes have stopped",
+              file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
