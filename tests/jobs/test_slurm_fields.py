@@ -77,6 +77,8 @@ OTHER_FIELDS = {
     "slurm.time": lambda bad: [f"--slurm.time={bad}"],
     "slurm.python": lambda bad: [f"--slurm.python={bad}"],
     "slurm.extra_sbatch[0]": lambda bad: ["--slurm.extra_sbatch=" + json.dumps([bad])],
+    "slurm.after_sbatch[0]": lambda bad: ["--slurm.after_sbatch=" + json.dumps([bad])],
+    "slurm.after[0]": lambda bad: ["--then", bad],
     "slurm.modules[0]": lambda bad: ["--slurm.modules=" + json.dumps([bad])],
     "slurm.env.HF_HOME": lambda bad: ["--slurm.env=" + json.dumps({"HF_HOME": bad})],
     "slurm.container.image": lambda bad: [CONTAINER[0], f"--slurm.container.image={bad}"],
