@@ -119,6 +119,9 @@ def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
     assert max(got) == steps and [got[s] for s in range(1, steps + 1)] == expected
     logs = "".join((job / "logs" / f"{j}.out").read_text() for j in links)
     assert logs.count("requeue") == 0 or "slurm.requeue is off" in logs
+    # A stop at the walltime warning is a clean stop: no torchrun traceback, no "FAILED" in the error logs.
+    errors = "".join((job / "logs" / f"{j}.err").read_text() for j in links)
+    assert "Traceback" not in errors and "ChildFailedError" not in errors and "FAILED" not in errors, errors[-3000:]
 
 
 @pytest.mark.parametrize("mode,workers", [("pretrain", 0), ("pretrain", 2), ("sft", 2)])
@@ -145,6 +148,8 @@ def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_he
     assert [got[s] for s in range(1, steps + 1)] == expected
     out = (job / "logs" / f"{record['job_id']}.out").read_text()
     assert "restart 1" in out
+    err = (job / "logs" / f"{record['job_id']}.err").read_text()
+    assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err, err[-3000:]
 
 
 def test_cancel_and_retry_on_a_failing_point(corpus_here):

@@ -9,7 +9,7 @@ from pathlib import Path
 from maester.config import Config
 from maester.jobs.slurm import (cancel_jobs, describe_restarts, recorded_jobs, slurm_state, training_jobs)
 from maester.train.metrics import read_metrics
-from maester.tools.report import _duration, job_status, seconds_per_step
+from maester.tools.report import duration, job_status, seconds_per_step
 
 
 def job_ids(records: list[dict]) -> list[str]:
@@ -42,7 +42,7 @@ def status_items(job_dir: Path, now: float | None = None) -> list[tuple[str, str
                       + f" at step {last['step']}"))
         pace = seconds_per_step(train)
         if status.step < total:
-            items.append(("remaining", f"{total - status.step} steps, about {_duration((total - status.step) * pace)}"
+            items.append(("remaining", f"{total - status.step} steps, about {duration((total - status.step) * pace)}"
                           f" at {pace:.3g} s/step" if pace else f"{total - status.step} steps (no pace yet)"))
     else:
         items.append(("step", f"0 of {total}: no step logged yet"))

@@ -95,15 +95,15 @@ def job_status(job_dir: Path, cfg: Config, train: list[dict], now: float) -> Sta
         return Status("requeue", requeue["step"],
                       f"stopped for requeue at step {requeue['step']}{reason}, {_age(requeue, now)}")
     last = train[-1]["step"]
-    ago = _duration(now - (job_dir / "metrics.jsonl").stat().st_mtime)
+    ago = duration(now - (job_dir / "metrics.jsonl").stat().st_mtime)
     return Status("running", last, f"in progress or interrupted: last logged step {last}, {ago} ago")
 
 
 def _age(marker: dict, now: float) -> str:
-    return f"{_duration(now - datetime.fromisoformat(marker['time']).timestamp())} ago"
+    return f"{duration(now - datetime.fromisoformat(marker['time']).timestamp())} ago"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = max(seconds, 0.0)
     if seconds < 90:
         return f"{seconds:.0f} s"
@@ -172,7 +172,7 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
     if status.step < total:
         pace = seconds_per_step(train)
         left = total - status.step
-        items.append(("remaining", f"{left} steps, about {_duration(left * pace)} at {pace:.3g} s/step ({span})"
+        items.append(("remaining", f"{left} steps, about {duration(left * pace)} at {pace:.3g} s/step ({span})"
                       if pace else f"{left} steps (no pace yet: " +
                       ("one logged step)" if len(train) == 1 else "no tokens/s logged)")))
 
