@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from maester.config import load_config
-from maester.parallel.parallelize import _SAVE_OPS, apply_fsdp
+from maester.parallel.parallelize import _saved_ops, apply_fsdp
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_selective_checkpointing_keeps_biased_linears():
 
     from maester.parallel.parallelize import _selective_policy
 
-    assert {torch.ops.aten.addmm.default, torch.ops.aten.linear.default} <= _SAVE_OPS
+    assert {torch.ops.aten.addmm.default, torch.ops.aten.linear.default} <= _saved_ops()
     layer = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=True), torch.nn.GELU(), torch.nn.Linear(16, 4))
     wrapped = checkpoint_wrapper(layer, preserve_rng_state=False,
                                  context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))

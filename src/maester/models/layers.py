@@ -34,6 +34,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if not self.offset and dtype == self.weight.dtype == torch.float32:
+            # torch's fused kernel: the same float32 result as below, in one pass over x.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
@@ -67,37 +70,49 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling=None) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Maps position ids (batch, seq) to the cos/sin tables (batch, seq, rotary_dim) used by every layer.
-    `rotary_dim` is the head's leading dims that rotate (all of them but in GPT-NeoX)."""
+    """Maps position ids (batch, seq) to the cos/sin tables (batch, seq, rotary_dim / 2) used by every layer: the
+    two halves of a head's rotary dims share their angles, so one half is kept. `rotary_dim` is the head's
+    leading dims that rotate (all of them but in GPT-NeoX). The tables of the default positions 0..seq-1 are
+    kept between forwards (batch 1, broadcast), so a training step computes none."""
 
     def __init__(self, rotary_dim: int, theta: float, scaling=None):
         super().__init__()
         self.rotary_dim, self.theta, self.scaling = rotary_dim, theta, scaling
         self.register_buffer("inv_freq", torch.empty(rotary_dim // 2), persistent=False)
+        self._kept: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def reset_parameters(self) -> None:
         self.inv_freq.copy_(rope_inverse_frequencies(self.rotary_dim, self.theta, self.scaling))
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(self, position_ids: torch.Tensor | None, dtype: torch.dtype, seq: int = 0,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of `position_ids`; None: of positions 0..seq-1 on `device`, kept for the next call (until
+        the frequencies change: a new device, `reset_parameters`)."""
+        if position_ids is not None:
+            return self.tables(position_ids, dtype)
+        key = (seq, device, dtype, self.inv_freq.data_ptr(), self.inv_freq._version)
+        if self._kept is None or self._kept[0] != key:
+            self._kept = (key, self.tables(torch.arange(seq, device=device)[None], dtype))
+        return self._kept[1]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, rotary_dim). Dims past rotary_dim pass through."""
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch or 1, seq, rotary_dim / 2), the angles of both halves
+    (Hugging Face's rotate-half convention). Dims past rotary_dim pass through."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rot = cos.shape[-1]
-    x_rot = x if rot == x.shape[-1] else x[..., :rot]
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    # x * cos + rotate_half(x) * sin, by halves: the same numbers without the negated copy of x.
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if 2 * half != x.shape[-1]:
+        parts.append(x[..., 2 * half:])
     # Keep x's dtype: under autocast the tables are float32 while q and k are bfloat16, and the fused kernels
     # (varlen, flex) take q, k and v in one dtype. SDPA under autocast would round to bfloat16 all the same.
-    out = (x_rot * cos + rotate_half(x_rot) * sin).to(x.dtype)
-    return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
+    return torch.cat(parts, dim=-1).to(x.dtype)
 
 
 def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -123,13 +138,16 @@ def document_causal_mask(document_ids: torch.Tensor | None, seq: int, device: to
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
 _FLEX: dict[str, Any] = {}
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-
+@functools.cache
+def _varlen() -> tuple[Any, bool]:
+    """(varlen_attn, whether it takes grouped-query heads as they are), (None, False) where torch has none.
+    Imported on first use: the module loads torch._dynamo, most of a second that a run without it never needs."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False
     # Newer torch takes grouped-query heads as they are (enable_gqa); older gets them repeated by `attend`.
-    _VARLEN_GQA = "enable_gqa" in inspect.signature(_varlen_attn).parameters
-except ImportError:
-    _varlen_attn, _VARLEN_GQA = None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _flex(device: torch.device) -> tuple[Any, Any]:
@@ -243,7 +261,7 @@ def _attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, 
     if device.type != "cuda":
         raise ValueError(f"model.attention = 'varlen' needs a CUDA device (torch's varlen_attn runs Flash or "
                          f"cuDNN kernels), this forward is on {device.type}: use 'sdpa' or 'auto'")
-    if _varlen_attn is None:
+    if _varlen()[0] is None:
         raise ValueError(f"model.attention = 'varlen' needs torch.nn.attention.varlen.varlen_attn, which torch "
                          f"{torch.__version__} does not have: use 'flex' or 'sdpa'")
     # max_len bounds every document by its row's length: the exact maximum would wait for the device again.
@@ -369,17 +387,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
         raise ValueError(f"model.attention = 'varlen' runs Flash/cuDNN kernels, which take bfloat16 or float16, "
                          f"but q is {q.dtype}: train in bf16 (training.precision) or use 'flex' or 'sdpa'")
     bsz, n_heads, seq, head_dim = q.shape
-    if not _VARLEN_GQA and k.shape[1] != n_heads:
+    varlen_attn, gqa = _varlen()
+    if not gqa and k.shape[1] != n_heads:
         k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
         v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
 
     def tokens(t: torch.Tensor) -> torch.Tensor:  # (batch, heads, seq, d) -> (batch * seq, heads, d)
         return t.transpose(1, 2).reshape(bsz * seq, t.shape[1], head_dim)
 
-    kwargs = {"enable_gqa": True} if _VARLEN_GQA else {}
+    kwargs = {"enable_gqa": True} if gqa else {}
     # The same offsets tensor for q and k: cuDNN takes causal packed sequences only then.
     window = (-1, 0) if mask.window is None else (mask.window - 1, 0)
-    out = _varlen_attn(tokens(q), tokens(k), tokens(v), mask.cu_seqlens, mask.cu_seqlens, mask.max_len,
+    out = varlen_attn(tokens(q), tokens(k), tokens(v), mask.cu_seqlens, mask.cu_seqlens, mask.max_len,
                        mask.max_len, window_size=window, scale=scale, **kwargs)
     return out.reshape(bsz, seq, n_heads, head_dim)
 

@@ -156,16 +156,16 @@ class Transformer(nn.Module):
         bsz, seq = input_ids.shape
         device = input_ids.device
         start = cache.length if cache is not None else 0
-        if position_ids is None:
+        if position_ids is None and start:
             position_ids = torch.arange(start, start + seq, device=device).expand_as(input_ids)
         h = self.tok_embeddings(input_ids)
         input_multiplier = self.args.embedding_multiplier  # Gemma's sqrt(dim), μP's input_alpha
         if input_multiplier != 1.0:
             # In the activations' dtype, as Hugging Face's Gemma rounds its normaliser.
             h = h * torch.tensor(input_multiplier, dtype=h.dtype)
-        ropes = {"global": self.rotary(position_ids, h.dtype)}
+        ropes = {"global": self.rotary(position_ids, h.dtype, seq, device)}
         if "local" in self.layer_ropes:
-            ropes["local"] = self.local_rotary(position_ids, h.dtype)
+            ropes["local"] = self.local_rotary(position_ids, h.dtype, seq, device)
         needs_grad = torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad
         masks = {}
         softcap = self.args.attn_logit_softcap is not None

@@ -7,7 +7,7 @@ Everything here is plain torch.distributed: DTensor `parallelize_module`, `check
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -150,8 +150,11 @@ _SAVE_OPS = {
     torch.ops.aten.max.default,
 }
 
-def _attention_ops() -> set:
-    """FlexAttention and variable-length attention, where this torch has them."""
+
+@cache
+def _saved_ops() -> frozenset:
+    """`_SAVE_OPS` with FlexAttention and variable-length attention, where this torch has them. Their modules are
+    imported at the first selective checkpoint, not with this one: they load torch._dynamo."""
     ops = set()
     try:
         import torch.nn.attention.flex_attention  # noqa: F401 (registers the op)
@@ -163,16 +166,13 @@ def _attention_ops() -> set:
         ops.add(torch.ops.torch_attn._varlen_attn.default)
     except (ImportError, AttributeError):
         pass
-    return ops
-
-
-_SAVE_OPS |= _attention_ops()
+    return frozenset(_SAVE_OPS | ops)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_checkpointing_needs_compile(parallel: ParallelConfig, args, document_masking: bool, seq_len: int,
