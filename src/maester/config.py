@@ -127,7 +127,8 @@ class OptimizerConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Further keyword arguments of the optimizer class (e.g. `{nesterov = true}` for sgd, `{amsgrad = true}`)."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-    """`auto`: fused on GPU where the class has a fused kernel, foreach otherwise (where the class has one)."""
+    """`auto`: fused where torch's class has a fused kernel for the device (CPU included), foreach otherwise (where
+    the class has one)."""
     groups: list[ParamGroupRule] = Field(default_factory=list)
     """Parameter-group rules, tried in order before the built-in ones; the resolved groups are logged at start."""
     muon: MuonConfig = Field(default_factory=MuonConfig)

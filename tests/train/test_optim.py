@@ -108,7 +108,8 @@ def test_any_torch_optimizer_by_name_with_its_keyword_arguments(name, cls, kwarg
 
 def test_fused_and_foreach_implementations():
     model = tiny_model()
-    assert build_optimizer(model, OptimizerConfig(), CPU).defaults["foreach"]
+    assert build_optimizer(model, OptimizerConfig(), CPU).defaults["fused"]  # auto: fused on CPU too
+    assert build_optimizer(model, OptimizerConfig(name="RMSprop"), CPU).defaults["foreach"]  # no fused kernel
     assert build_optimizer(model, OptimizerConfig(implementation="fused"), CPU).defaults["fused"]
     plain = build_optimizer(model, OptimizerConfig(implementation="for-loop"), CPU).defaults
     assert not plain["foreach"] and not plain["fused"]
