@@ -50,6 +50,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         model.init_weights()
+    return _buffers_to(model, device, buffer_device)
+
+
+def _buffers_to(model: nn.Module, device: torch.device, buffer_device: torch.device | None) -> nn.Module:
     if buffer_device is not None and buffer_device != device:
         for module in model.modules():
             for name, b in list(module.named_buffers(recurse=False)):
@@ -58,10 +62,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
     return model
 
 
-def materialize_for_loading(model: nn.Module, device: torch.device) -> nn.Module:
+def materialize_for_loading(model: nn.Module, device: torch.device,
+                            buffer_device: torch.device | None = None) -> nn.Module:
     """Allocate a meta-built model on `device` for weights that are loaded next, strictly (a checkpoint's, an HF
     directory's): the parameters stay as allocated, in the dtype they were built in, and only the buffers no
-    checkpoint holds (RoPE frequencies) are computed. No random init: the load overwrites every parameter."""
+    checkpoint holds (RoPE frequencies) are computed, on `buffer_device` where given (as `materialize`). No
+    random init: the load overwrites every parameter."""
     from maester.models.layers import RotaryEmbedding
 
     model.to_empty(device=device)
@@ -69,7 +75,7 @@ def materialize_for_loading(model: nn.Module, device: torch.device) -> nn.Module
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.reset_parameters()
-    return model
+    return _buffers_to(model, device, buffer_device)
 
 
 def build_model(cfg: ModelConfig, tokenizer_vocab: int, device: torch.device, seed: int,

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from maester.config import Config
-from maester.models.build import build_on_meta, materialize, resolve_args
+from maester.models.build import build_on_meta, materialize, materialize_for_loading, resolve_args
 from maester.parallel.dims import ParallelDims
 from maester.parallel.parallelize import parallelize, selective_checkpointing_needs_compile
 from maester.parallel.precision import Precision
@@ -65,9 +65,10 @@ def copy_single_process_init(model: torch.nn.Module, cfg: Config, args, param_dt
 
 
 def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, device: torch.device,
-                         precision: Precision) -> torch.nn.Module:
+                         precision: Precision, initialise: bool = True) -> torch.nn.Module:
     """The run's model: built on meta in the parameter dtype, parallelised (FSDP2/TP/DDP, activation
-    checkpointing, compile) and then materialised, on the CPU first under `parallel.cpu_offload`."""
+    checkpointing, compile) and then materialised, on the CPU first under `parallel.cpu_offload`. Not
+    `initialise`: the parameters are allocated only, for a checkpoint that overwrites every one of them."""
     args = resolve_args(cfg.model, tokenizer_vocab, cfg.mup)
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len = {cfg.data.seq_len} exceeds the model's context, max_seq_len = "
@@ -82,6 +83,8 @@ def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, 
         parallel = parallel.model_copy(update={"compile": True})
     model = parallelize(build_on_meta(cfg.model, args, precision.param_dtype), dims, parallel, device, precision)
     init_device = torch.device("cpu") if cfg.parallel.cpu_offload else device
+    if not initialise:
+        return materialize_for_loading(model, init_device, buffer_device=device)
     model = materialize(model, init_device, cfg.training.seed, buffer_device=device)
     if dims.world_size > 1 and device.type == "cpu":
         copy_single_process_init(model, cfg, args, precision.param_dtype)

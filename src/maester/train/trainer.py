@@ -105,12 +105,16 @@ class Trainer:
         self.precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, self.device.type,
                                            self.dims.fsdp_enabled)
         self.scaler = None  # fp16: made with the parameters, on their device
-        self.model = build_training_model(cfg, self.tokenizer.vocab_size, self.dims, self.device, self.precision)
+        self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
+        self._latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
+        # A resume overwrites every weight and restores the RNG: the random init would be work thrown away.
+        resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
+        self.model = build_training_model(cfg, self.tokenizer.vocab_size, self.dims, self.device, self.precision,
+                                          initialise=not resuming)
         if self.precision.loss_scaling:
             self.scaler = LossScaler(next(iter(self.model.parameters())).device)
         self.loss_parallel = uses_loss_parallel(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True,
-                                         prefer_fused=cfg.training.nonfinite == "skip" or self.scaler is not None)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
@@ -121,7 +125,6 @@ class Trainer:
 
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
                                    batch=self.dims.batch_plan(cfg), group=self.dp_group)
-        self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
         self.step, self.tokens_seen = 0, 0
         self.schedule_start = 0  # steps done before the LR schedule began (its warmup starts at the next step)
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
@@ -138,7 +141,7 @@ class Trainer:
         `checkpoint.init_from` that `checkpoint.load_mode` names (of an `hf:` directory, the weights only); else start
         fresh at `checkpoint.step_offset`."""
         c, total = self.cfg.checkpoint, self.cfg.training.steps
-        latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
+        latest = self._latest
         if latest is not None and not read_trainer_state(latest).get("seed_checkpoint"):
             state = self.checkpointer.load(latest, self.model, self.optimizer, "continue")
             self._take_trainer_state(state, LOAD_MODES["continue"])
