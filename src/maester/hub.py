@@ -98,7 +98,7 @@ def _lock(hub, repo: str):
 
 
 def _not_cached(key: str, value: str, repo: str, revision: str | None, error: Exception) -> str:
-    why = ("HF_HUB_OFFLINE is set" if _offline() else
+    why = ("HF_HUB_OFFLINE is set" if hub_offline() else
            "the Hub cannot be reached" if int(os.environ.get("LOCAL_RANK", "0")) == 0 else
            f"local rank 0 did not fetch it within {WAIT_SECONDS:.0f} s")
     fetch = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
@@ -107,7 +107,8 @@ def _not_cached(key: str, value: str, repo: str, revision: str | None, error: Ex
             f"and point HF_HOME at it, or give a local directory ({str(error).splitlines()[0]})")
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE asks that the Hub not be reached."""
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
@@ -118,11 +119,17 @@ def _cache_dir() -> str:
 
 
 def _import_hub(key: str, value: str):
+    return import_hub(f"{key} = {value!r} is not a local path, and reading it as a Hub id")
+
+
+def import_hub(needed_for: str):
+    """`huggingface_hub` with the submodules used here, or a ValueError saying that `needed_for` (a phrase: what
+    needs it) needs maester's `hub` extra."""
     try:
         import huggingface_hub
         import huggingface_hub.constants  # noqa: F401  (the submodules, for the names used above)
         import huggingface_hub.errors  # noqa: F401
     except ImportError:
-        raise ValueError(f"{key} = {value!r} is not a local path, and reading it as a Hub id needs huggingface_hub: "
-                         "install maester's `hub` extra (pip install 'maester[hub]')") from None
+        raise ValueError(f"{needed_for} needs huggingface_hub: install maester's `hub` extra "
+                         "(pip install 'maester[hub]')") from None
     return huggingface_hub
