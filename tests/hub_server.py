@@ -1,6 +1,7 @@
 """A small Hugging Face Hub on 127.0.0.1 for tests (`HF_ENDPOINT=server.url`): the endpoints `snapshot_download`,
 `hf_hub_download`, `HfFileSystem`, `create_repo`, `create_branch` and `upload_folder` call, over repositories held
-in memory as {revision: {path: bytes}}. Every request is recorded in `requests` as (method, path)."""
+in memory as {revision: {path: bytes}}. Every request is recorded in `requests` as (method, path), and every GET of
+a file's content in `reads` as (path, its Range header or None); a Range is answered with 206 and those bytes."""
 
 from __future__ import annotations
 
@@ -20,24 +21,33 @@ def _sha(data: bytes) -> str:
 class Repo:
     def __init__(self, files: dict[str, bytes]):
         self.branches: dict[str, dict[str, bytes]] = {"main": dict(files)}
+        self.history: dict[str, dict[str, bytes]] = {}  # commit -> files, of commits no branch points at now
 
     def commit_of(self, revision: str) -> str | None:
         if revision in self.branches:
             files = self.branches[revision]
             return hashlib.sha1(json.dumps({k: _sha(v) for k, v in sorted(files.items())}).encode()).hexdigest()
-        return revision if any(self.commit_of(b) == revision for b in self.branches) else None
+        known = revision in self.history or any(self.commit_of(b) == revision for b in self.branches)
+        return revision if known else None
 
     def files_at(self, revision: str) -> dict[str, bytes] | None:
         for branch, files in self.branches.items():
             if revision in (branch, self.commit_of(branch)):
                 return files
-        return None
+        return self.history.get(revision)
+
+    def update(self, branch: str, files: dict[str, bytes]) -> str:
+        """A new commit on `branch` that adds or replaces `files`; the one before stays readable by its sha."""
+        self.history[self.commit_of(branch)] = dict(self.branches[branch])
+        self.branches[branch] = {**self.branches[branch], **files}
+        return self.commit_of(branch)
 
 
 class MockHub:
     def __init__(self):
         self.repos: dict[tuple[str, str], Repo] = {}  # (kind "models"/"datasets", repo id) -> Repo
         self.requests: list[tuple[str, str]] = []
+        self.reads: list[tuple[str, str | None]] = []
         hub = self
         handler = type("Handler", (_Handler,), {"hub": hub})
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -148,6 +158,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if name not in files:
             return self._error(404, "EntryNotFound", f"{name} does not exist")
         data = files[name]
+        if not head:
+            self.hub.reads.append((name, self.headers.get("Range")))
         headers = {"X-Repo-Commit": repo.commit_of(unquote(revision)), "ETag": f'"{_sha(data)}"',
                    "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
