@@ -29,10 +29,20 @@ class LoaderBase:
         """Identifies the data the positions count in, so that a resume on other data fails instead of drifting."""
         raise NotImplementedError
 
+    def source_commits(self) -> dict[str, str]:
+        """Source path -> the commit read of each source on the Hugging Face Hub (`hf://datasets/...`)."""
+        return {}
+
     def check_resume(self, state: dict) -> None:
         """ValueError unless `state` was written by a loader of this kind, on the same data and seed."""
         if state.get("kind") != self.KIND:
             raise ValueError(f"the checkpoint's data position is not from {self.WHAT} loader; refusing to resume on it")
+        now = self.source_commits()
+        for source, then in state.get("commits", {}).items():
+            if now.get(source, then) != then:
+                from maester.data.hub_datasets import revision_changed
+
+                raise ValueError(revision_changed(source, then, now[source]))
         if state["fingerprint"] != self.fingerprint() or state["seed"] != self.seed:
             raise ValueError(f"the checkpoint's data position belongs to different {self.DATA} or another seed "
                              f"(checkpoint fingerprint {state['fingerprint']}, seed {state['seed']}; now "
@@ -40,7 +50,9 @@ class LoaderBase:
 
     def header(self) -> dict:
         """The fields every loader's state_dict starts with, which `check_resume` reads."""
-        return {"kind": self.KIND, "fingerprint": self.fingerprint(), "seed": self.seed}
+        commits = self.source_commits()
+        return {"kind": self.KIND, "fingerprint": self.fingerprint(), "seed": self.seed,
+                **({"commits": commits} if commits else {})}
 
     def close(self) -> None:
         """Stop any worker processes; the next step starts them again."""

@@ -127,6 +127,10 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike], fmt: str = "auto") -> li
         raise ValueError("no input files given")
     files: list[Path] = []
     for given in inputs:
+        if not isinstance(given, (str, os.PathLike)):  # a file on the Hub (`hub_datasets.HubFile`), found already
+            file_format(given, fmt)
+            files.append(given)
+            continue
         text = os.fspath(given)
         path = Path(text)
         if path.is_file():
@@ -309,18 +313,19 @@ class JsonlLines:
 
 # --- Parquet ----------------------------------------------------------------------------------------------------
 
-def _open_parquet(path: Path):
+def open_parquet(path: Path):
+    """A local path, or a file on the Hub (`hub_datasets.HubFile`) read by byte range through its `open()`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path if isinstance(path, (str, os.PathLike)) else path.open())
     except (pa.ArrowException, OSError, ValueError) as e:
         raise UnreadableFile(f"{path}: not a readable Parquet file: {e}") from e
 
 
 def parquet_columns(path: Path) -> list[str]:
-    return _open_parquet(path).schema_arrow.names
+    return open_parquet(path).schema_arrow.names
 
 
 def require_column(path: Path, names: list[str], wanted: list[str], hint: str) -> None:
@@ -332,7 +337,7 @@ def require_column(path: Path, names: list[str], wanted: list[str], hint: str) -
 
 def parquet_row_groups(path: Path, column: str, hint: str) -> list[tuple[int, int]]:
     """(first row, rows) of each row group of a Parquet file, which must have `column`."""
-    pf = _open_parquet(path)
+    pf = open_parquet(path)
     require_column(path, pf.schema_arrow.names, [column], hint)
     meta = pf.metadata
     groups, first = [], 0
@@ -347,7 +352,7 @@ def read_row_group(path: Path, group: int, column: str) -> list:
     """The values of `column` in one row group of a Parquet file."""
     import pyarrow as pa
 
-    pf = _open_parquet(path)
+    pf = open_parquet(path)
     try:
         table = pf.read_row_group(group, columns=[column])
     except (pa.ArrowException, OSError, ValueError) as e:
@@ -359,7 +364,7 @@ def _parquet_batches(path: Path, columns: list[str] | None) -> Iterator[tuple[in
     """(first row, record batch) for each batch of the file, reading only `columns` (all when None)."""
     import pyarrow as pa
 
-    pf = _open_parquet(path)
+    pf = open_parquet(path)
     row = 0
     batches = pf.iter_batches(columns=columns, batch_size=_PARQUET_BATCH_ROWS)
     while True:
@@ -467,7 +472,7 @@ class RecordReader:
         total = 0
         for path, fmt in zip(self.files, self.formats):
             if fmt == "parquet":
-                total += _open_parquet(path).metadata.num_rows
+                total += open_parquet(path).metadata.num_rows
             elif fmt == "txt":
                 total += TextFileDocuments(path, self.split_on_blank_lines).count
             elif fmt == "jsonl":

@@ -21,6 +21,7 @@ import torch
 
 from maester.config import DataConfig, DataSourceConfig, SFTConfig, TokenizerConfig
 from maester.data.batch import IGNORE_INDEX, Batch, BatchPlan
+from maester.data.hub_datasets import pinned_commits, source_commits, source_identity
 from maester.data.loader_base import LoaderBase
 from maester.data.permutation import Permutation, mix64, mix_key, seed_key
 
@@ -103,20 +104,21 @@ def is_packed_file(path: Path, fmt: str) -> bool:
     """Whether a file holds rows packed by `maester data pack`; `fmt`: its format, as `records.file_format` tells."""
     if fmt != "parquet":
         return False
-    import pyarrow.parquet as pq
+    from maester.data.records import parquet_columns
 
-    return {"input_ids", "labels"} <= set(pq.read_schema(path).names)
+    return {"input_ids", "labels"} <= set(parquet_columns(path))
 
 
 def read_packed(files: list[Path], seq_len: int, tokenizer_cfg: TokenizerConfig,
                 vocab_size: int) -> dict[str, np.ndarray]:
     """The rows of Parquet files written by `maester data pack`, checked against `data.seq_len`, the kind of
     tokenizer and its vocabulary (every id of input_ids and labels)."""
-    import pyarrow.parquet as pq
+    from maester.data.records import open_parquet
 
     parts: dict[str, list] = {k: [] for k in PACKED_COLUMNS}
     for path in files:
-        schema = pq.read_schema(path)
+        parquet = open_parquet(path)
+        schema = parquet.schema_arrow
         meta = schema.metadata or {}
         stored = meta.get(b"seq_len")
         if stored is not None and int(stored) != seq_len:
@@ -131,7 +133,7 @@ def read_packed(files: list[Path], seq_len: int, tokenizer_cfg: TokenizerConfig,
         if missing:
             raise ValueError(f"{path}: a packed SFT file needs columns {', '.join(PACKED_COLUMNS)}; "
                              f"missing {', '.join(missing)}")
-        table = pq.read_table(path, columns=list(PACKED_COLUMNS))
+        table = parquet.read(columns=list(PACKED_COLUMNS))
         for name in PACKED_COLUMNS[:4]:
             column = table.column(name).combine_chunks()
             flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
@@ -280,8 +282,9 @@ class SFTLoader(LoaderBase):
         h.update(json.dumps([self.data.seq_len, self.data.sft.model_dump(mode="json"),
                              tokenizer_cfg.model_dump(mode="json")]).encode())
         for src in self.sources:
-            h.update(json.dumps([src.cfg.path, src.cfg.weight, src.cfg.validation_fraction, src.cfg.text_column,
-                                 [f.name for f in src.files], sorted(src.counts.items())]).encode())
+            h.update(json.dumps([source_identity(src.cfg.path), src.cfg.weight, src.cfg.validation_fraction,
+                                 src.cfg.text_column, [f.name for f in src.files], sorted(src.counts.items())]
+                                + pinned_commits(src.files)).encode())
         return h.hexdigest()[:16]
 
     # --- the order of rows ---------------------------------------------------------------------------------------
@@ -382,6 +385,9 @@ class SFTLoader(LoaderBase):
 
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    def source_commits(self) -> dict[str, str]:
+        return source_commits([src.cfg for src in self.sources], [src.files for src in self.sources])
 
     def load_state_dict(self, state: dict) -> None:
         self.check_resume(state)

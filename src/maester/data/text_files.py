@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maester.config import DataSourceConfig
+from maester.data.hub_datasets import HubFile, is_hub_source, resolve_hub_files
 from maester.data.records import (InvalidRecord, JsonlLines, TextFileDocuments, check_document, document_of_line,
                                   document_of_text, file_format, parquet_row_groups, read_row_group, resolve_inputs)
 
@@ -27,12 +28,15 @@ WARN_COMPRESSED_PIECES = 4
 TEXT_COLUMN_HINT = "set text_column on the data source"
 
 
-def resolve_files(source: DataSourceConfig) -> list[Path]:
+def resolve_files(source: DataSourceConfig) -> list[Path | HubFile]:
     """The files of a source: a file, every data file under a directory (sorted, hidden files left out), a glob's
-    matches (sorted), or a built-in corpus."""
+    matches (sorted), a built-in corpus, or the Parquet files of a dataset on the Hub (`hf://datasets/...`, at the
+    commit its revision names now)."""
     if source.path.startswith("builtin:"):
         from maester.data.builtin_corpora import materialize_builtin
         return [materialize_builtin(source.path.removeprefix("builtin:"))]
+    if is_hub_source(source.path):
+        return resolve_hub_files(source.path, source.format)
     return resolve_inputs([source.path], source.format)
 
 
@@ -95,7 +99,8 @@ class TextSource:
         """A stable number for file i: a hash of its name relative to the source, not of its place on disk."""
         path = self.files[i]
         root = Path(self.cfg.path)
-        name = path.relative_to(root).as_posix() if root.is_dir() else path.name
+        name = (path.key_name if isinstance(path, HubFile) else path.relative_to(root).as_posix() if root.is_dir()
+                else path.name)
         return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
     def read(self, chunk: Chunk) -> list[str | InvalidRecord]:

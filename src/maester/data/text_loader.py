@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from maester.config import DataConfig, TokenizerConfig
 from maester.data.batch import BatchPlan, make_batch
+from maester.data.hub_datasets import pinned_commits, source_commits, source_identity
 from maester.data.loader_base import LoaderBase
 from maester.data.permutation import Permutation, mix64, seed_key
 from maester.data.records import InvalidDocument
@@ -62,8 +63,9 @@ class StreamPlan:
         """Identifies files, chunking and split, so a resume on other data fails instead of drifting."""
         h = hashlib.sha256()
         for cfg, src in zip(self.data.sources, self.sources):
-            h.update(json.dumps([cfg.path, cfg.text_column, cfg.weight, cfg.validation_fraction,
-                                 [f.name for f in src.files], src.num_rows, len(src.chunks)]).encode())
+            h.update(json.dumps([source_identity(cfg.path), cfg.text_column, cfg.weight, cfg.validation_fraction,
+                                 [f.name for f in src.files], src.num_rows, len(src.chunks)]
+                                + pinned_commits(src.files)).encode())
         h.update(json.dumps([self.data.seq_len, self.data.add_bos, self.data.chunk_documents]).encode())
         return h.hexdigest()[:16]
 
@@ -236,6 +238,9 @@ class TextLoader(LoaderBase):
 
     def fingerprint(self) -> str:
         return self.plan.fingerprint()
+
+    def source_commits(self) -> dict[str, str]:
+        return source_commits(self.data.sources, [src.files for src in self.plan.sources])
 
     # --- state ---------------------------------------------------------------------------------------------------
 
