@@ -6,6 +6,7 @@ subprocess, because `huggingface_hub` reads HF_ENDPOINT and HF_HUB_OFFLINE when 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import random
@@ -17,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.helpers import run_maester
 from tests.hub_server import MockHub
 from tests.test_hub import hub_env
 
@@ -190,6 +192,45 @@ def test_offline_or_without_huggingface_hub_the_error_names_the_source_and_how_t
     without = run_python("import sys; sys.modules['huggingface_hub'] = None\n" + RESOLVE, "hf://datasets/org/web",
                          hub_env(hub, tmp_path / "home"))["error"]
     assert "huggingface_hub" in without and "maester[hub]" in without and "hf://datasets/org/web" in without
+
+
+def test_data_download_writes_the_files_whole_with_a_manifest_and_trains_as_the_hub_source(hub, tmp_path):
+    files = shards()
+    repo = hub.add("org/web", files, kind="datasets")
+    commit = repo.commit_of("main")
+    env = hub_env(hub, tmp_path / "home")
+    out = tmp_path / "offline"
+    # a file that a stopped run finished is kept; the others are fetched
+    write_local(out / ".partial-download", {"data/train-00000.parquet": files["data/train-00000.parquet"]})
+    done = run_maester(["data", "download", "hf://datasets/org/web/data/*.parquet", "--output", str(out)], tmp_path,
+                       env)
+    assert done.returncode == 0, done.stderr
+    assert "files=2 fetched=1" in done.stdout and f"commit={commit}" in done.stdout
+    assert f"source='{out}/data/*.parquet'" in done.stdout
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        ".download.json", "data/train-00000.parquet", "data/train-00001.parquet"]
+    for name in ("data/train-00000.parquet", "data/train-00001.parquet"):
+        assert (out / name).read_bytes() == files[name]
+    manifest = json.loads((out / ".download.json").read_text())
+    assert manifest["repo"] == "org/web" and manifest["commit"] == commit and manifest["revision"] == "main"
+    assert manifest["files"][1] == {"path": "data/train-00001.parquet", "size": len(files["data/train-00001.parquet"]),
+                                    "sha256": hashlib.sha256(files["data/train-00001.parquet"]).hexdigest()}
+    assert [p for p, _ in hub.reads] == ["data/train-00001.parquet"]
+
+    again = run_maester(["data", "download", "hf://datasets/org/web/data/*.parquet", "--output", str(out)], tmp_path,
+                        env)
+    assert again.returncode == 0 and "fetched=0" in again.stdout
+    other = run_maester(["data", "download", "hf://datasets/org/web", "--output", str(out)], tmp_path, env)
+    assert other.returncode != 0 and "holds another download" in other.stderr
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    busy = run_maester(["data", "download", "hf://datasets/org/web/data", "--output", str(tmp_path / "busy")],
+                       tmp_path, env)
+    assert busy.returncode != 0 and "is not empty (notes.txt)" in busy.stderr
+
+    (from_hub,) = loaders([pretrain("hf://datasets/org/web/data/*.parquet")], env)
+    (downloaded,) = loaders([pretrain(f"{out}/data/*.parquet")], hub_env(None, tmp_path / "home", HF_HUB_OFFLINE="1"))
+    assert from_hub["steps"] == downloaded["steps"] and from_hub["validation"] == downloaded["validation"]
 
 
 def test_sft_conversations_from_the_hub_are_those_of_the_same_file_locally(hub, tmp_path):

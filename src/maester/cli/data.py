@@ -1,4 +1,4 @@
-"""`maester data`: tokenize, merge, inspect, count, convert and pack. SIGTERM unwinds like Ctrl-C, so that a
+"""`maester data`: tokenize, merge, inspect, count, convert, pack and download. SIGTERM unwinds like Ctrl-C, so that a
 stopped tool leaves no temporary file."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ INPUTS_HELP = "files, directories or globs of .jsonl, .jsonl.gz, .jsonl.zst, .pa
 
 
 def add_data(sub, name: str) -> None:
-    p = sub.add_parser(name, help="prepare data: tokenize, merge, inspect, count, convert, pack",
+    p = sub.add_parser(name, help="prepare data: tokenize, merge, inspect, count, convert, pack, download",
                        description="Prepare training data. Each action prints one summary line at the end.")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
 
@@ -75,6 +75,14 @@ def add_data(sub, name: str) -> None:
     k.add_argument("--rows-per-file", type=int, default=8192, metavar="N",
                    help="rows per output file (default: 8192)")
     _record_args(k)
+
+    d = dsub.add_parser("download", help="fetch the files of a dataset on the Hugging Face Hub into a directory, "
+                                         "for a cluster without internet")
+    d.add_argument("source", metavar="SOURCE",
+                   help="hf://datasets/org/name[@revision][/<glob or directory>], as a data source spells it")
+    d.add_argument("--output", required=True, metavar="DIR",
+                   help="writes DIR/<path in the repository> and the manifest DIR/.download.json; must be empty, "
+                        "new, or hold this same download")
 
 
 def _chat_args(p, template_default: str | None) -> None:
@@ -185,6 +193,10 @@ def run_data(args) -> None:
                        mask=args.mask or "assistant_only", seed=args.seed, overlong=args.overlong, messages_key=args.messages_key,
                        text_key=args.text_key, system_prompt=args.system_prompt, chat_template=args.chat_template,
                        skip_invalid=args.skip_invalid, workers=args.workers, rows_per_file=args.rows_per_file)
+    elif action == "download":
+        from maester.tools.data_download import download
+
+        summary = download(args.source, args.output)
     else:
         from maester.tools.data_convert import convert
 
