@@ -68,7 +68,8 @@ class TokenizerConfig(Section):
 
 class DataSourceConfig(Section):
     path: str
-    """Raw text: a Parquet or JSONL file, a directory of them, a glob, or a built-in corpus (`builtin:pydoc`).
+    """Raw text: a Parquet or JSONL file, a directory of them, a glob, a built-in corpus (`builtin:pydoc`), or
+    Parquet shards on the Hugging Face Hub, `hf://datasets/org/name[@revision]/<glob or directory>`.
     Pre-tokenized: a Megatron/GPT-NeoX prefix without `.bin`/`.idx`, a glob of llm.c shards, or a nanoGPT bin."""
     name: str | None = None
     """Shown in the per-source metrics; default: the path's last component."""
