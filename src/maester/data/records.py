@@ -20,6 +20,7 @@ file, a truncated `.gz`) is always an error, `UnreadableFile`.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import gzip
 import io
@@ -313,19 +314,27 @@ class JsonlLines:
 
 # --- Parquet ----------------------------------------------------------------------------------------------------
 
-def open_parquet(path: Path):
-    """A local path, or a file on the Hub (`hub_datasets.HubFile`) read by byte range through its `open()`."""
+@contextlib.contextmanager
+def open_parquet(path: Path) -> Iterator:
+    """A Parquet file, closed on leaving the block: a local path, or a file on the Hub (`hub_datasets.HubFile`) read
+    by byte range through its `open()`, which pyarrow does not close itself (and which the garbage collector would
+    only free with its reference cycles)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path if isinstance(path, (str, os.PathLike)) else path.open())
+        pf = pq.ParquetFile(path if isinstance(path, (str, os.PathLike)) else path.open())
     except (pa.ArrowException, OSError, ValueError) as e:
         raise UnreadableFile(f"{path}: not a readable Parquet file: {e}") from e
+    try:
+        yield pf
+    finally:
+        pf.close(force=True)
 
 
 def parquet_columns(path: Path) -> list[str]:
-    return open_parquet(path).schema_arrow.names
+    with open_parquet(path) as pf:
+        return pf.schema_arrow.names
 
 
 def require_column(path: Path, names: list[str], wanted: list[str], hint: str) -> None:
@@ -337,9 +346,9 @@ def require_column(path: Path, names: list[str], wanted: list[str], hint: str) -
 
 def parquet_row_groups(path: Path, column: str, hint: str) -> list[tuple[int, int]]:
     """(first row, rows) of each row group of a Parquet file, which must have `column`."""
-    pf = open_parquet(path)
-    require_column(path, pf.schema_arrow.names, [column], hint)
-    meta = pf.metadata
+    with open_parquet(path) as pf:
+        require_column(path, pf.schema_arrow.names, [column], hint)
+        meta = pf.metadata
     groups, first = [], 0
     for g in range(meta.num_row_groups):
         rows = meta.row_group(g).num_rows
@@ -352,11 +361,11 @@ def read_row_group(path: Path, group: int, column: str) -> list:
     """The values of `column` in one row group of a Parquet file."""
     import pyarrow as pa
 
-    pf = open_parquet(path)
-    try:
-        table = pf.read_row_group(group, columns=[column])
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise UnreadableFile(f"{path}: row group {group} cannot be read: {e}") from e
+    with open_parquet(path) as pf:
+        try:
+            table = pf.read_row_group(group, columns=[column])
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise UnreadableFile(f"{path}: row group {group} cannot be read: {e}") from e
     return table.column(0).to_pylist()
 
 
@@ -364,18 +373,18 @@ def _parquet_batches(path: Path, columns: list[str] | None) -> Iterator[tuple[in
     """(first row, record batch) for each batch of the file, reading only `columns` (all when None)."""
     import pyarrow as pa
 
-    pf = open_parquet(path)
-    row = 0
-    batches = pf.iter_batches(columns=columns, batch_size=_PARQUET_BATCH_ROWS)
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (pa.ArrowException, OSError, ValueError) as e:
-            raise UnreadableFile(f"{path}: corrupt Parquet data after row {row}: {e}") from e
-        yield row, batch
-        row += batch.num_rows
+    with open_parquet(path) as pf:
+        row = 0
+        batches = pf.iter_batches(columns=columns, batch_size=_PARQUET_BATCH_ROWS)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise UnreadableFile(f"{path}: corrupt Parquet data after row {row}: {e}") from e
+            yield row, batch
+            row += batch.num_rows
 
 
 # --- fields -------------------------------------------------------------------------------------------------------
@@ -472,7 +481,8 @@ class RecordReader:
         total = 0
         for path, fmt in zip(self.files, self.formats):
             if fmt == "parquet":
-                total += open_parquet(path).metadata.num_rows
+                with open_parquet(path) as pf:
+                    total += pf.metadata.num_rows
             elif fmt == "txt":
                 total += TextFileDocuments(path, self.split_on_blank_lines).count
             elif fmt == "jsonl":

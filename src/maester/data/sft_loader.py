@@ -117,23 +117,23 @@ def read_packed(files: list[Path], seq_len: int, tokenizer_cfg: TokenizerConfig,
 
     parts: dict[str, list] = {k: [] for k in PACKED_COLUMNS}
     for path in files:
-        parquet = open_parquet(path)
-        schema = parquet.schema_arrow
-        meta = schema.metadata or {}
-        stored = meta.get(b"seq_len")
-        if stored is not None and int(stored) != seq_len:
-            raise ValueError(f"{path}: rows were packed to seq_len {int(stored)}, but data.seq_len is {seq_len}")
-        packed_with = json.loads(meta.get(b"tokenizer", b"{}"))
-        if packed_with and (packed_with.get("kind"), Path(packed_with.get("path") or "").name) != (
-                tokenizer_cfg.kind, Path(tokenizer_cfg.path or "").name):
-            raise ValueError(f"{path}: rows were packed with tokenizer {packed_with.get('kind')} "
-                             f"{packed_with.get('path') or ''}, but the job uses {tokenizer_cfg.kind} "
-                             f"{tokenizer_cfg.path or ''}")
-        missing = [c for c in PACKED_COLUMNS if c not in schema.names]
-        if missing:
-            raise ValueError(f"{path}: a packed SFT file needs columns {', '.join(PACKED_COLUMNS)}; "
-                             f"missing {', '.join(missing)}")
-        table = parquet.read(columns=list(PACKED_COLUMNS))
+        with open_parquet(path) as parquet:
+            schema = parquet.schema_arrow
+            meta = schema.metadata or {}
+            stored = meta.get(b"seq_len")
+            if stored is not None and int(stored) != seq_len:
+                raise ValueError(f"{path}: rows were packed to seq_len {int(stored)}, but data.seq_len is {seq_len}")
+            packed_with = json.loads(meta.get(b"tokenizer", b"{}"))
+            if packed_with and (packed_with.get("kind"), Path(packed_with.get("path") or "").name) != (
+                    tokenizer_cfg.kind, Path(tokenizer_cfg.path or "").name):
+                raise ValueError(f"{path}: rows were packed with tokenizer {packed_with.get('kind')} "
+                                 f"{packed_with.get('path') or ''}, but the job uses {tokenizer_cfg.kind} "
+                                 f"{tokenizer_cfg.path or ''}")
+            missing = [c for c in PACKED_COLUMNS if c not in schema.names]
+            if missing:
+                raise ValueError(f"{path}: a packed SFT file needs columns {', '.join(PACKED_COLUMNS)}; "
+                                 f"missing {', '.join(missing)}")
+            table = parquet.read(columns=list(PACKED_COLUMNS))
         for name in PACKED_COLUMNS[:4]:
             column = table.column(name).combine_chunks()
             flat = column.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
