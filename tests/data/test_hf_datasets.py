@@ -162,6 +162,24 @@ def test_training_from_the_hub_reads_what_the_same_files_give_locally_by_byte_ra
     assert not list((tmp_path / "home").rglob("*.parquet"))
 
 
+def test_a_hub_source_mixes_with_a_local_one_as_its_local_copy_does(hub, tmp_path):
+    files = shards()
+    hub.add("org/web", files, kind="datasets")
+    local = write_local(tmp_path / "local", files)
+    other = write_local(tmp_path / "other", {"docs.parquet": parquet_bytes(documents(40, 7), 8)}) / "docs.parquet"
+
+    def mixed(path: str) -> dict:
+        run = pretrain(path)
+        run["data"]["sources"] = [{"path": path, "weight": 3.0, "validation_fraction": 0.2},
+                                  {"path": str(other), "weight": 1.0}]
+        return run
+
+    from_hub, from_disk = loaders([mixed("hf://datasets/org/web/data/*.parquet"), mixed(f"{local}/data/*.parquet")],
+                                  hub_env(hub, tmp_path / "home"))
+    assert from_hub["steps"] == from_disk["steps"] and len(from_hub["steps"]) == 4
+    assert from_hub["validation"] == from_disk["validation"]
+
+
 def test_a_resume_from_the_hub_is_exact_and_a_moved_revision_is_an_error_naming_both_commits(hub, tmp_path):
     repo = hub.add("org/web", shards(), kind="datasets")
     first = repo.commit_of("main")
