@@ -46,3 +46,29 @@ def test_optimizer_step_smoke():
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[1].strip() for r in rows[1:]][0] == "adamw (baseline)" and len(rows) == 5
     assert rows[1][3].strip() == "1.00x" and all(float(r[2]) > 0 for r in rows[1:])
+
+
+def test_peers_quick(tmp_path):
+    """The peers table: our forward + backward against transformers' on the same weights (the harness refuses
+    unequal losses) and our trainer against the plain loops, at equal parameter counts."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers.py"), "--quick", "--no-compile"],
+                         env=clean_env(XDG_CACHE_HOME=str(tmp_path)), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    names = [r[1].strip() for r in rows[1:]]
+    assert names[0].startswith("forward + backward") and "loss" in names[0]
+    assert "transformers Llama" in names[1] and "transformers GPT-2" in names[2]
+    assert all(float(r[4].split("x")[0]) > 0 for r in rows[1:])
+    import re
+
+    peer, ours = re.search(r"\(([\d.]+)M parameters; maester ([\d.]+)M\)", names[1]).groups()
+    assert ours == peer  # the same architecture, the same count
+
+
+def test_hot_path_profile():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.hot_path", "--top", "3"], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    groups = {r[1].strip(): (float(r[2]), float(r[3])) for r in rows if r[1].strip() in ("matmul", "attention")}
+    assert groups["matmul"][0] > 0 and groups["attention"][1] > 0 and len(rows) == 1 + 4 + 1 + 3

@@ -102,3 +102,21 @@ def test_mps_is_one_process_on_the_mps_device(monkeypatch):
     with pytest.raises(RuntimeError, match="'mps' trains in one process, but 2 were started"):
         choose_device_type("mps", "auto", env={}, world_size=2)
     assert choose_device_type("auto", "auto", env={}) in ("cpu", "cuda")  # auto never picks MPS
+
+
+def test_cpu_threads_are_shared_out_between_the_local_processes(monkeypatch):
+    import os
+
+    from maester.parallel.dims import set_cpu_threads
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert set_cpu_threads(None, torch.device("cpu")) is None and torch.get_num_threads() == before
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert set_cpu_threads(None, torch.device("cpu")) == max(1, cores // 2) == torch.get_num_threads()
+        assert set_cpu_threads(3, torch.device("cpu")) == 3 == torch.get_num_threads()  # the setting wins
+        assert set_cpu_threads(3, torch.device("cuda")) is None  # a GPU run keeps torch's setting
+    finally:
+        torch.set_num_threads(before)

@@ -126,6 +126,21 @@ def init_distributed(device_choice: str = "auto", timeout_s: float | None = None
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def set_cpu_threads(setting: int | None, device: torch.device) -> int | None:
+    """Intra-op threads of this process on a CPU run (`training.cpu_threads`): the setting, else, with several
+    local processes (torchrun's LOCAL_WORLD_SIZE), the usable cores shared out between them. Returns what was set,
+    None where torch's own default stays (one process, or a GPU run). Inter-op threads stay as they are: training
+    runs no inter-op work on the CPU (autograd runs it on the calling thread)."""
+    if device.type != "cpu":
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = setting if setting is not None else (max(1, cores // local) if local > 1 else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return threads
+
+
 def set_collective_timeout(seconds: float, mesh=None, device: torch.device | None = None) -> None:
     """Give the default process group and every group of `mesh` a new collective timeout.
 

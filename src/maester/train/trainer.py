@@ -21,7 +21,7 @@ from maester.data.loader import build_loader
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
-from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout
+from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout, set_cpu_threads
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
@@ -89,7 +89,9 @@ class Trainer:
                                                                    cfg.training.init_timeout_seconds,
                                                                    cfg.training.precision)
         setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
-        log.info("environment: %s", describe_environment(self.device))
+        threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
+        log.info("environment: %s%s", describe_environment(self.device),
+                 f", {threads} CPU thread(s) per process" if threads else "")
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.parallel.preflight import run_preflight

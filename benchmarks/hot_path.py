@@ -1,0 +1,87 @@
+"""Where a forward + backward spends its time on the CPU: torch.profiler's self time by op, our Llama against
+`transformers`' `LlamaForCausalLM` on the same weights (8 x 512 tokens, 6 layers x 384, eager, float32).
+
+    uv run python benchmarks/hot_path.py               # one thread: CPU time, steady under other load
+    uv run python benchmarks/hot_path.py --threads 2
+
+Ops are grouped: matmul (aten::mm/addmm/bmm), attention (SDPA's kernels, forward and backward), and the rest
+(norms, RoPE, activations, residual adds, copies), the part a model's code decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")), ("attention", ("scaled_dot_product",)))
+
+
+def group_of(op: str) -> str:
+    for name, keys in GROUPS:
+        if any(k in op for k in keys):
+            return name
+    return "the rest"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--top", type=int, default=12, help="ops of 'the rest' listed")
+    args = parser.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.peers import FULL, hf_llama, our_args
+    from maester.models.hf_tensors import state_dict_to_hf
+    from maester.models.transformer import Transformer
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    margs = our_args(FULL)
+    ours = Transformer(margs)
+    ours.init_weights()
+    peer = hf_llama(margs)
+    peer.load_state_dict(state_dict_to_hf("llama", margs, ours.state_dict()), strict=False)
+    batch, seq = FULL["fb_tokens"]
+    ids = torch.randint(0, margs.vocab_size, (batch, seq))
+    labels = torch.randint(0, margs.vocab_size, (batch, seq))
+
+    def run_ours():
+        (ours(ids, labels=labels) / labels.numel()).backward()
+        ours.zero_grad(set_to_none=True)
+
+    def run_peer():
+        F.cross_entropy(peer(input_ids=ids).logits.flatten(0, 1).float(), labels.flatten()).backward()
+        peer.zero_grad(set_to_none=True)
+
+    by_op: dict[str, dict[str, float]] = {}
+    for _ in range(2):  # warm-up of both: the allocator settles (a first touch of new pages costs page faults)
+        run_ours()
+        run_peer()
+    for name, run in (("transformers", run_peer), ("maester", run_ours)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+        by_op[name] = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+    totals = {name: defaultdict(float) for name in by_op}
+    for name, ops in by_op.items():
+        for op, ms in ops.items():
+            totals[name][group_of(op)] += ms
+    print(f"forward + backward, {batch} x {seq} tokens, 6 x 384, {args.threads} thread(s), torch {torch.__version__}")
+    print("| ops | maester ms | transformers ms |")
+    print("|---|---|---|")
+    for group in ("matmul", "attention", "the rest"):
+        print(f"| {group} | {totals['maester'][group]:.0f} | {totals['transformers'][group]:.0f} |")
+    print(f"| **total** | {sum(totals['maester'].values()):.0f} | {sum(totals['transformers'].values()):.0f} |")
+    rest = sorted({op for ops in by_op.values() for op in ops if group_of(op) == "the rest"},
+                  key=lambda op: -max(by_op["maester"].get(op, 0), by_op["transformers"].get(op, 0)))
+    print()
+    print("| op (the rest) | maester ms | transformers ms |")
+    print("|---|---|---|")
+    for op in rest[:args.top]:
+        print(f"| `{op}` | {by_op['maester'].get(op, 0):.1f} | {by_op['transformers'].get(op, 0):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
