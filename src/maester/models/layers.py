@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.attention import sdpa_kernel
 
 
@@ -34,8 +35,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if not self.offset and dtype == self.weight.dtype == torch.float32:
-            # torch's fused kernel: the same float32 result as below, in one pass over x.
+        if not self.offset and dtype == self.weight.dtype == torch.float32 and not isinstance(x, DTensor) \
+                and not isinstance(self.weight, DTensor):
+            # torch's fused kernel: the same float32 result as below, in one pass over x. Not for DTensors (tensor
+            # parallel): sharding propagation refuses its in-place add on a norm across sharded heads (OLMo 2).
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
