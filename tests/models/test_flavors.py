@@ -32,6 +32,8 @@ EXACT = {
     ("gemma2", "2B"): 2_614_341_888, ("gemma2", "9B"): 9_241_705_984, ("gemma2", "27B"): 27_227_128_320,
     ("qwen2", "0.5B"): 494_032_768, ("qwen2", "7B"): 7_615_616_512,
     ("phi3", "mini-4k"): 3_821_079_552, ("phi3", "medium-4k"): 13_960_238_080,
+    ("olmoe", "1B-7B"): 6_919_161_856, ("qwen3_moe", "30B-A3B"): 30_532_122_624,
+    ("qwen3_moe", "235B-A22B"): 235_093_634_560,
 }
 # Non-embedding parameters as published, rounded to the figure's last digit.
 NON_EMBEDDING = {
@@ -82,7 +84,8 @@ def test_published_parameter_counts(name, flavor):
         assert rounds_to(total, TOTAL_ROUNDED[name, flavor]), total
 
 
-SMALLEST = ("1B", "270M", "0.6B", "pythia-160m", "smollm2-135M", "7B-v0.1", "2B", "0.5B", "mini-4k")
+SMALLEST = ("1B", "270M", "0.6B", "pythia-160m", "smollm2-135M", "7B-v0.1", "2B", "0.5B", "mini-4k", "1B-7B",
+            "30B-A3B")
 
 
 @pytest.mark.parametrize("name,flavor", [k for k in PUBLISHED if k[1] in SMALLEST])

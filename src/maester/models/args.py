@@ -54,6 +54,44 @@ class MupConfig(Section):
         return self
 
 
+class MoEArgs(BaseModel):
+    """A mixture-of-experts feed-forward in place of the dense MLP: each token goes to its `top_k` experts
+    (token choice, dropless: no capacity, no dropped token), plus `n_shared_experts` that see every token.
+    Experts are gated MLPs of the model's `mlp` kind with `expert_hidden_dim` hidden units."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    n_experts: int = Field(gt=1)
+    top_k: int = Field(gt=0)
+    expert_hidden_dim: int = Field(gt=0)
+    gate: Literal["softmax", "sigmoid"] = "softmax"
+    """How router logits become scores: a softmax over the experts (Mixtral, OLMoE, Qwen 3 MoE) or a sigmoid
+    per expert (DeepSeek-V3)."""
+    norm_topk_prob: bool = False
+    """Renormalise the chosen experts' scores to sum to 1 (Qwen 3 MoE, Mixtral, DeepSeek-V3); off in OLMoE."""
+    n_shared_experts: int = Field(0, ge=0)
+    """Experts every token goes through, fused into one MLP of n_shared_experts x expert_hidden_dim units."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the load-balancing loss E * sum_e f_e * P_e (Switch Transformer; f_e the routed assignments of
+    expert e per token, P_e its mean score; top_k at perfect balance), averaged over the MoE layers: HF's
+    `router_aux_loss_coef`."""
+    z_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE), averaged over the MoE layers. Not in HF
+    configs (a training setting: exports leave it out)."""
+    bias_balancing: float = Field(0.0, ge=0)
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's selection bias moves
+    by this rate toward balance (up when under-loaded). The bias changes which experts are chosen, never the
+    gates' weights. 0: off. HF's OLMoE and Qwen 3 MoE have no such bias: such a model does not export to them."""
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> "MoEArgs":
+        if self.top_k > self.n_experts:
+            raise ValueError(f"moe.top_k ({self.top_k}) cannot exceed moe.n_experts ({self.n_experts})")
+        if self.top_k == 1 and self.norm_topk_prob:
+            raise ValueError("moe.norm_topk_prob with top_k = 1 would set every gate to 1: the router would get no "
+                             "gradient")
+        return self
+
+
 class TransformerArgs(BaseModel):
     """Every architecture field; any of them can be overridden by `model.overrides`."""
 
@@ -104,6 +142,8 @@ class TransformerArgs(BaseModel):
     init_std: float = 0.02
     # The attention kernel, set from `model.attention` (not an override): it changes no parameter or result.
     attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
+    moe: MoEArgs | None = None
+    """A mixture-of-experts feed-forward in every block (OLMoE, Qwen 3 MoE, Mixtral); None: the dense MLP."""
     mup: MupConfig | None = None
     """μP (maximal update parametrization): the run's `mup` section where it is enabled; None: off."""
 
@@ -130,6 +170,10 @@ class TransformerArgs(BaseModel):
         if self.attn_logit_softcap is not None and self.attention == "varlen":
             raise ValueError("attention = 'varlen' cannot soft-cap attention scores (attn_logit_softcap is set): use "
                              "'auto' (FlexAttention on CUDA) or 'flex'")
+        if self.moe is not None and self.mlp == "gelu":
+            raise ValueError("moe experts are gated MLPs: mlp must be 'swiglu' or 'geglu', not 'gelu'")
+        if self.moe is not None and self.mlp_bias:
+            raise ValueError("moe experts have no biases: mlp_bias must be false with moe")
         self._check_mup()
         return self
 

@@ -6,7 +6,7 @@ The published parameter counts these give are checked in tests/models/test_flavo
 
 from __future__ import annotations
 
-from maester.models.args import RopeScaling, TransformerArgs
+from maester.models.args import MoEArgs, RopeScaling, TransformerArgs
 
 
 def _family(defaults: dict, shapes: dict[str, dict]) -> dict[str, TransformerArgs]:
@@ -153,4 +153,34 @@ GPT_NEOX_FLAVORS = _family(GPT_NEOX, {
                         vocab_size=50432),
     "pythia-12b": dict(dim=5120, n_layers=36, n_heads=40, n_kv_heads=40, ffn_hidden_dim=20480, vocab_size=50688),
     "20B": dict(dim=6144, n_layers=44, n_heads=64, n_kv_heads=64, ffn_hidden_dim=24576, vocab_size=50432),
+})
+
+# Mixtures of experts: the dense family's block with `moe` in place of the MLP (`ffn_hidden_dim` is then the
+# experts' hidden size and unused by the model). Tiny flavors route 8 experts top-2.
+_TINY_MOE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=None)
+
+
+def _moe(n_experts: int, top_k: int, hidden: int, dense_hidden: int | None = None, **kw) -> dict:
+    """`dense_hidden`: HF's intermediate_size where it is kept beside the experts' (Qwen 3 MoE); unused."""
+    return dict(ffn_hidden_dim=dense_hidden or hidden,
+                moe=MoEArgs(n_experts=n_experts, top_k=top_k, expert_hidden_dim=hidden, **kw))
+
+
+# OLMoE: OLMo's QK-norm across all heads with pre-norm blocks; softmax gates, top-k scores not renormalised,
+# load-balancing loss 0.01 (HF's router_aux_loss_coef). OLMoE was trained with a router z-loss of 0.001 too, which
+# HF configs do not carry: set moe.z_loss_coef to train as it was (the tiny flavor has it).
+OLMOE = dict(norm="rms", norm_eps=1e-5, qk_norm="full", rope_theta=10000.0, vocab_size=50304, max_seq_len=4096)
+OLMOE_FLAVORS = _family(OLMOE, {
+    "tiny": dict(**_TINY_MOE, **_moe(8, 2, 32, aux_loss_coef=0.01, z_loss_coef=0.001)),
+    "1B-7B": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, **_moe(64, 8, 1024, aux_loss_coef=0.01)),
+})
+
+# Qwen 3 MoE: Qwen 3's block (per-head QK-norm) with 128 experts top-8, renormalised top-k scores.
+_QWEN3_MOE_LOSSES = dict(norm_topk_prob=True, aux_loss_coef=0.001)
+QWEN3_MOE_FLAVORS = _family(QWEN3, {
+    "tiny": dict(**_TINY_MOE, head_dim=16, **_moe(8, 2, 32, **_QWEN3_MOE_LOSSES)),
+    "30B-A3B": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                    **_moe(128, 8, 768, dense_hidden=6144, **_QWEN3_MOE_LOSSES)),
+    "235B-A22B": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+                      **_moe(128, 8, 1536, dense_hidden=12288, **_QWEN3_MOE_LOSSES)),
 })

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from maester.models.args import RopeScaling, TransformerArgs
+from maester.models.args import MoEArgs, RopeScaling, TransformerArgs
 
 # maester architecture -> (HF model_type, HF class)
 HF_NAMES = {
@@ -22,6 +22,8 @@ HF_NAMES = {
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "gpt_neox": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 _FROM_MODEL_TYPE = {model_type: name for name, (model_type, _) in HF_NAMES.items()} | {"gemma3": "gemma3"}
 _ACTIVATIONS = {name: "silu" for name in HF_NAMES} | {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
@@ -217,6 +219,30 @@ def _olmo2_fields(hf: dict, where: str) -> dict[str, Any]:
     return _llama_fields(hf, where) | dict(norm_placement="post", qk_norm="full")
 
 
+def _moe_args(hf: dict, where: str, hidden_key: str, **fixed) -> MoEArgs:
+    """The experts of OLMoE and Qwen 3 MoE: count, top-k, hidden size, renormalised top-k, aux-loss weight."""
+    for key in ("num_experts", "num_experts_per_tok"):
+        if key not in hf:
+            raise HFFormatError(f"{where}: no {key} (an HF {hf.get('model_type')} config has one)")
+    return MoEArgs(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], expert_hidden_dim=hf[hidden_key],
+                   norm_topk_prob=hf.get("norm_topk_prob", False),
+                   aux_loss_coef=hf.get("router_aux_loss_coef", 0.0), **fixed)
+
+
+def _olmoe_fields(hf: dict, where: str) -> dict[str, Any]:
+    if hf.get("clip_qkv") is not None:
+        raise HFFormatError(f"{where}: clip_qkv = {hf['clip_qkv']!r} is not supported (null only)")
+    return _llama_fields(hf, where) | dict(norm_eps=hf.get("rms_norm_eps", 1e-5), qk_norm="full",
+                                           moe=_moe_args(hf, where, "intermediate_size"))
+
+
+def _qwen3_moe_fields(hf: dict, where: str) -> dict[str, Any]:
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise HFFormatError(f"{where}: dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step) are "
+                            f"not supported: every layer must be sparse")
+    return _qwen3_fields(hf, where) | dict(moe=_moe_args(hf, where, "moe_intermediate_size"))
+
+
 def _gemma_fields(hf: dict, where: str) -> dict[str, Any]:
     """Gemma 2 and 3: sandwich (1 + w) RMSNorms, GeGLU, scaled embeddings, sliding layers, soft-capping (on by
     default in Gemma 2's config class, off in Gemma 3's); Gemma 3 adds QK-norm and a local RoPE base."""
@@ -249,7 +275,7 @@ def _gemma_fields(hf: dict, where: str) -> dict[str, Any]:
 _FAMILY_FIELDS = {
     "llama": _llama_fields, "mistral": _mistral_fields, "gemma2": _gemma_fields, "gemma3": _gemma_fields,
     "qwen2": _qwen2_fields, "qwen3": _qwen3_fields, "olmo2": _olmo2_fields, "phi3": _phi3_fields,
-    "gpt_neox": _gpt_neox_fields,
+    "gpt_neox": _gpt_neox_fields, "olmoe": _olmoe_fields, "qwen3_moe": _qwen3_moe_fields,
 }
 
 
@@ -297,7 +323,19 @@ def hf_config(name: str, args: TransformerArgs, *, bos_id: int | None = None, eo
         cfg["use_sliding_window"] = False
     if name in _GEMMA:
         _gemma_config(name, args, cfg)
+    if args.moe is not None:
+        _moe_config(name, args.moe, cfg)
     return cfg
+
+
+def _moe_config(name: str, moe: MoEArgs, cfg: dict[str, Any]) -> None:
+    cfg.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=moe.norm_topk_prob,
+               router_aux_loss_coef=moe.aux_loss_coef, output_router_logits=False)
+    if name == "qwen3_moe":
+        cfg.update(moe_intermediate_size=moe.expert_hidden_dim, decoder_sparse_step=1, mlp_only_layers=[],
+                   use_sliding_window=False)
+    else:  # OLMoE: intermediate_size is the experts'
+        cfg.update(intermediate_size=moe.expert_hidden_dim, clip_qkv=None)
 
 
 def _gemma_config(name: str, args: TransformerArgs, cfg: dict[str, Any]) -> None:
@@ -326,7 +364,12 @@ def check_convertible(name: str, args: TransformerArgs) -> None:
                                 f"mup.input_alpha = mup.output_alpha = 1 and mup.base_head_dim unset)")
         # μP that leaves the function unchanged (its init settings aside) is the plain architecture.
         args = args.model_copy(update={"mup": None})
+    if args.moe is not None and args.moe.bias_balancing:
+        raise HFFormatError(f"this {name} model chooses experts with a learned bias (moe.bias_balancing), which HF's "
+                            f"{HF_NAMES[name][1]} does not have: its routing would differ")
     _, fields = args_from_hf(hf_config(name, args))
+    if args.moe is not None and "moe" in fields:  # the z-loss is a training setting no HF config carries
+        fields["moe"] = fields["moe"].model_copy(update={"z_loss_coef": args.moe.z_loss_coef})
     ref = next(iter(ARCHITECTURES[name].flavors.values()))
     expected = TransformerArgs(**{**ref.model_dump(), **fields, "attention": args.attention,
                                   "init_std": args.init_std})

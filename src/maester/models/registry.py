@@ -16,9 +16,11 @@ from maester.models.flavors import (
     LLAMA_FLAVORS,
     MISTRAL_FLAVORS,
     OLMO2_FLAVORS,
+    OLMOE_FLAVORS,
     PHI3_FLAVORS,
     QWEN2_FLAVORS,
     QWEN3_FLAVORS,
+    QWEN3_MOE_FLAVORS,
 )
 
 
@@ -44,4 +46,6 @@ ARCHITECTURES: dict[str, Architecture] = {
     "olmo2": Architecture(TransformerArgs, OLMO2_FLAVORS, _TRANSFORMER),
     "phi3": Architecture(TransformerArgs, PHI3_FLAVORS, _TRANSFORMER),
     "gpt_neox": Architecture(TransformerArgs, GPT_NEOX_FLAVORS, _TRANSFORMER),
+    "olmoe": Architecture(TransformerArgs, OLMOE_FLAVORS, _TRANSFORMER),
+    "qwen3_moe": Architecture(TransformerArgs, QWEN3_MOE_FLAVORS, _TRANSFORMER),
 }

@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from maester.models.args import TransformerArgs
-from maester.models.loss import cross_entropy_sum, linear_cross_entropy_sum, softcap_logits
+from maester.models.moe import MoEFeedForward, aux_loss
+from maester.models.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy_sum, softcap_logits
 from maester.models.layers import (
     MLP,
     Attention,
@@ -50,7 +51,9 @@ class TransformerBlock(nn.Module):
                                    softcap=args.attn_logit_softcap)
         self.post_attention_norm = norm() if post else nn.Identity()
         self.ffn_norm = norm() if pre else nn.Identity()
-        if args.mlp == "gelu":
+        if args.moe is not None:
+            self.feed_forward = MoEFeedForward(args.dim, args.moe, "silu" if args.mlp == "swiglu" else "gelu")
+        elif args.mlp == "gelu":
             self.feed_forward = MLP(args.dim, args.ffn_hidden_dim, bias=args.mlp_bias)
         else:
             self.feed_forward = GatedMLP(args.dim, args.ffn_hidden_dim, "silu" if args.mlp == "swiglu" else "gelu",
@@ -124,12 +127,18 @@ class Transformer(nn.Module):
                 module.reset_parameters()
         for block in self.layers.values():
             attn, mlp = block.attention, block.feed_forward
-            gate = [mlp.gate_proj] if isinstance(mlp, GatedMLP) else []
-            inputs = [attn.q_proj, attn.k_proj, attn.v_proj, *gate, mlp.up_proj]
-            for lin, s in [(lin, hidden_std) for lin in inputs] + [(attn.o_proj, out_std), (mlp.down_proj, out_std)]:
+            mlps = [mlp] if not isinstance(mlp, MoEFeedForward) else [m for m in (mlp.shared_experts,) if m]
+            inputs = [attn.q_proj, attn.k_proj, attn.v_proj]
+            outputs = [attn.o_proj]
+            for m in mlps:
+                inputs += [m.gate_proj, m.up_proj] if isinstance(m, GatedMLP) else [m.up_proj]
+                outputs.append(m.down_proj)
+            for lin, s in [(lin, hidden_std) for lin in inputs] + [(lin, out_std) for lin in outputs]:
                 nn.init.trunc_normal_(lin.weight, std=s, a=-3 * s, b=3 * s)
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
+            if isinstance(mlp, MoEFeedForward):
+                self._init_experts(mlp, hidden_std, out_std)
             if self.args.mup is not None and self.args.mup.zero_init_query:
                 nn.init.zeros_(attn.q_proj.weight)
         if self.output is not None:
@@ -137,12 +146,23 @@ class Transformer(nn.Module):
             if self.args.mup is not None and self.args.mup.zero_init_readout:
                 nn.init.zeros_(self.output.weight)
 
+    @staticmethod
+    def _init_experts(moe: MoEFeedForward, hidden_std: float, out_std: float) -> None:
+        """The experts as the dense MLP (input matrices at the hidden std, the output one at the residual std), the
+        router as an input matrix; selection bias and counters at zero."""
+        experts = moe.experts
+        for w, s in ((moe.router.gate.weight, hidden_std), (experts.gate_proj, hidden_std),
+                     (experts.up_proj, hidden_std), (experts.down_proj, out_std)):
+            nn.init.trunc_normal_(w, std=s, a=-3 * s, b=3 * s)
+        moe.reset_state()
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 labels: torch.Tensor | None = None, document_offsets: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (batch, seq) -> logits (batch, seq, vocab); with `labels` (batch, seq), the summed
-        cross-entropy instead (`maester.models.loss`), computed without the whole batch's logits.
+        cross-entropy instead (`maester.models.loss`), computed without the whole batch's logits; in training
+        mode an MoE model adds its auxiliary losses (`_add_aux_loss`).
         `document_offsets`: where each document starts in the flattened batch (`Batch.document_offsets`, made on
         the host), for varlen attention.
 
@@ -200,8 +220,19 @@ class Transformer(nn.Module):
         weight = self.output.weight if self.output is not None else self.tok_embeddings.weight
         if isinstance(weight, DTensor):  # a vocabulary-sharded head (TP): loss_parallel on the sharded logits
             logits = self.output(h) if self.output is not None else F.linear(h, weight)
-            return cross_entropy_sum(logits, labels, softcap=cap)
-        return linear_cross_entropy_sum(h, weight, labels, softcap=cap)
+            return self._add_aux_loss(cross_entropy_sum(logits, labels, softcap=cap), labels)
+        return self._add_aux_loss(linear_cross_entropy_sum(h, weight, labels, softcap=cap), labels)
+
+    def _add_aux_loss(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy plus the MoE layers' weighted auxiliary losses times this batch's label tokens.
+
+        The trainer divides the summed loss by the label tokens of the whole step; scaled so, each micro-batch's
+        auxiliary loss enters the step loss as a per-token term, weighted by its share of the step's tokens: the
+        coefficients mean what they mean in a single-batch step, whatever the micro-batch split."""
+        extra = aux_loss(self) if self.training and self.args.moe is not None else None
+        if extra is None:
+            return loss
+        return loss + extra * (labels != IGNORE_INDEX).sum()
 
 
 # What activation checkpointing and torch.compile insert into parameter names (FSDP2 and TP insert nothing).

@@ -5,8 +5,10 @@ MFU follows PaLM (Chowdhery et al. 2022, appendix B):
 
     MFU = tokens_per_second_per_device * (6 * N + 12 * H * Q * sum over layers of min(W, T)) / peak_flops_per_device
 
-N counts the parameters that take part in matrix multiplies: every parameter except the input-embedding
-table, whose lookup is not a matmul; a tied embedding is counted once, because it is the output head. H is
+N counts the parameters that take part in a token's matrix multiplies: every parameter except the
+input-embedding table, whose lookup is not a matmul, and, in a mixture of experts, the routed experts a token
+does not go through (top_k of n_experts are active); a tied embedding is counted once, because it is the output
+head. H is
 the number of attention heads, Q the head dimension, T the sequence length and W a layer's sliding window
 (T for a global layer), so a model without windows gets the usual 12 * L * H * Q * T. Causal sparsity is not
 discounted and recomputation (activation checkpointing) is not counted.
@@ -27,6 +29,7 @@ from torch import nn
 
 from maester.files import write_atomically
 from maester.models.loss import IGNORE_INDEX
+from maester.models.moe import moe_layers
 from maester.train.sinks import Sink, open_sinks, scalars
 
 log = logging.getLogger("maester")
@@ -74,8 +77,12 @@ def peak_flops(device_name: str, arch: str = "") -> float | None:
 
 
 def matmul_parameters(model: nn.Module) -> int:
-    """Parameters in matmuls: all but an untied input-embedding table."""
+    """Parameters in a token's matmuls: all but an untied input-embedding table, and of a mixture of experts only
+    the top_k of n_experts routed experts a token goes through (active parameters)."""
     total = sum(p.numel() for p in model.parameters())
+    for layer in moe_layers(model):
+        routed = sum(p.numel() for p in layer.experts.parameters())
+        total -= routed - routed * layer.moe.top_k // layer.moe.n_experts
     embedding = getattr(model, "tok_embeddings", None)
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     if embedding is not None and not tied:

@@ -30,6 +30,7 @@ from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
 from maester.train.hf_weights import load_hf_weights
+from maester.models.moe import moe_metrics, update_expert_bias
 from maester.train.metrics import (
     MetricsWindow,
     MetricsWriter,
@@ -300,6 +301,7 @@ class Trainer:
                     self.optimizer.step()
             else:  # fp16: an overflow is the scaler's to handle, not a non-finite step
                 self._scaled_step(loss, grad_norm, overflow)
+            update_expert_bias(self.model, self.dp_group)  # MoE's auxiliary-loss-free balancing; else nothing
         except torch.OutOfMemoryError:
             profiler.on_oom(self.step)
             raise
@@ -337,6 +339,7 @@ class Trainer:
             "peak_memory_gib": peak_memory_gib(self.device), "tokens_seen": self.tokens_seen,
             **({"skipped_steps": skipped} if self.cfg.training.nonfinite == "skip" else {}),
             **window.batch_metrics(self.dp_group),
+            **moe_metrics(self.model, self.dp_group),
         }
         for name, counts in self.loader.source_metrics().items():  # collective: every rank calls it
             record.update({f"data/{name}/{k}": v for k, v in counts.items()})

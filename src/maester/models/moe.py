@@ -1,0 +1,225 @@
+"""The mixture-of-experts feed-forward (`TransformerArgs.moe`): a router picks each token's top-k experts (token
+choice), the experts run on their tokens with no capacity limit (dropless), and their outputs come back weighted
+by the gates; shared experts, where there are any, see every token.
+
+Experts' weights are stacked, one (n_experts, out, in) parameter per projection, in `nn.Linear`'s orientation.
+Tokens are sorted by expert and run as one grouped GEMM (`torch._grouped_mm`) on CUDA in bf16, else as a loop over
+the experts, which gives the same numbers anywhere.
+
+Balancing: the load-balancing loss and the router z-loss are kept on the module after each training forward
+(`aux_loss`, coefficients applied) for the model to add to its loss; the auxiliary-loss-free bias (DeepSeek-V3)
+is moved by `update_expert_bias` after each optimizer step. The load and the losses are also summed into small
+device buffers that `moe_metrics` reads on logging steps only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from maester.models.args import MoEArgs
+from maester.models.layers import GatedMLP
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running (activation checkpointing recomputing a forward): such a forward is not counted
+    twice in the load."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """Token-choice top-k routing: logits -> scores (softmax or sigmoid) -> the top-k experts by score plus the
+    selection bias, whose gate weights are their scores (renormalised with `norm_topk_prob`)."""
+
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(dim, moe.n_experts, bias=False)
+        # Used only to choose experts; a state of training (checkpointed), moved by `update_expert_bias`.
+        self.register_buffer("expert_bias", torch.zeros(moe.n_experts), persistent=moe.bias_balancing > 0)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, dim) -> logits (tokens, E, fp32), scores (tokens, E), weights (tokens, k), indices
+        (tokens, k)."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.moe.gate == "softmax" else logits.sigmoid()
+        biased = scores + self.expert_bias if self.moe.bias_balancing > 0 else scores
+        indices = biased.topk(self.moe.top_k, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, scores, weights, indices
+
+
+class GroupedExperts(nn.Module):
+    """n_experts gated MLPs, their weights stacked: gate_proj and up_proj (E, hidden, dim), down_proj (E, dim,
+    hidden). `dispatch`: `auto` (grouped GEMM where it runs, see `grouped_mm_supported`), `grouped` or `loop`."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, activation: str):
+        super().__init__()
+        self.activation = activation
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.dispatch = "auto"
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x) if self.activation == "silu" else F.gelu(x, approximate="tanh")
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (tokens, dim) sorted by expert, `counts[e]` of them for expert e -> (tokens, dim)."""
+        grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_supported(x, self.down_proj))
+        return self._grouped(x, counts) if grouped else self._loop(x, counts)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)
+        gate = torch._grouped_mm(x, self.gate_proj.transpose(-2, -1), offs=offs)
+        up = torch._grouped_mm(x, self.up_proj.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(self._act(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, chunk in enumerate(x.split(counts.tolist())):  # the one host read: the group sizes
+            h = self._act(F.linear(chunk, self.gate_proj[e])) * F.linear(chunk, self.up_proj[e])
+            outs.append(F.linear(h, self.down_proj[e]))
+        return torch.cat(outs)
+
+
+def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward here: CUDA, bf16, rows 16-byte aligned. On CPU
+    recent torch runs the forward but not the backward, so training there takes the loop."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and all(n % 8 == 0 for n in weight.shape[1:]))
+
+
+class MoEFeedForward(nn.Module):
+    """The routed experts plus the shared ones. After a training forward, `aux_loss` holds this layer's weighted
+    load-balancing and z-losses (a scalar with gradient; zero when both coefficients are)."""
+
+    def __init__(self, dim: int, moe: MoEArgs, activation: str):
+        super().__init__()
+        self.moe = moe
+        self.router = Router(dim, moe)
+        self.experts = GroupedExperts(dim, moe.expert_hidden_dim, moe.n_experts, activation)
+        self.shared_experts = (GatedMLP(dim, moe.n_shared_experts * moe.expert_hidden_dim, activation)
+                               if moe.n_shared_experts else None)
+        # Routed assignments per expert since the last bias update (for `update_expert_bias`).
+        self.register_buffer("load", torch.zeros(moe.n_experts), persistent=False)
+        # Since the last logging step: assignments per expert, and [load-balancing loss, z-loss, forwards] summed.
+        self.register_buffer("window_load", torch.zeros(moe.n_experts), persistent=False)
+        self.register_buffer("window_losses", torch.zeros(3), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def reset_state(self) -> None:
+        """Zero the selection bias and the counters (after materialising from the meta device)."""
+        for buffer in (self.router.expert_bias, self.load, self.window_load, self.window_losses):
+            buffer.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, scores, weights, indices = self.router(x)
+        flat = indices.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.moe.n_experts)
+        token = order // self.moe.top_k
+        routed = self.experts(x[token], counts)
+        routed = routed * weights.reshape(-1)[order, None].to(routed.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if self.training:
+            self._balance(logits, scores, counts)
+        return out.reshape(shape)
+
+    def _balance(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
+        """Set `aux_loss` and add to the load and loss counters (not when a checkpointed forward is recomputed)."""
+        balance = load_balancing_loss(scores, counts)
+        z = router_z_loss(logits)
+        self.aux_loss = self.moe.aux_loss_coef * balance + self.moe.z_loss_coef * z
+        if _in_backward():
+            return
+        with torch.no_grad():
+            self.load += counts
+            self.window_load += counts
+            self.window_losses += torch.stack([balance.detach(), z.detach(), torch.ones_like(z)])
+
+
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """E * sum_e f_e * P_e (Switch Transformer, in Hugging Face's scale): f_e the routed assignments of expert e per
+    token (no gradient; they sum to top_k), P_e the mean over tokens of e's score, normalised per token for
+    sigmoid scores. top_k when balanced, up to E * top_k when every token picks the same experts; the same value as
+    HF's `load_balancing_loss_func` for one layer, so `router_aux_loss_coef` maps to `aux_loss_coef` unchanged."""
+    n_experts = scores.shape[-1]
+    probs = scores / scores.sum(-1, keepdim=True)
+    share = counts.float() / scores.shape[0]
+    return n_experts * (share * probs.mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps router logits small."""
+    return logits.logsumexp(-1).square().mean()
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The mean over MoE layers of their `aux_loss` from the last training forward (None without one), then
+    cleared: a mean, as megablocks (OLMoE) and HF (which pools the layers' router logits) do, so a coefficient
+    means the same at any depth."""
+    losses = []
+    for layer in moe_layers(model):
+        if layer.aux_loss is not None:
+            losses.append(layer.aux_loss)
+            layer.aux_loss = None
+    return torch.stack(losses).mean() if losses else None
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group=None) -> None:
+    """Auxiliary-loss-free balancing, after an optimizer step: each layer's selection bias moves by
+    `bias_balancing` toward balance, +rate for an expert under the mean load and -rate over it (DeepSeek-V3),
+    centred so the biases do not drift together; the load counters restart. `group`: the data-parallel group over
+    which the load is summed first (every rank then moves its bias the same way). No host read."""
+    for layer in moe_layers(model):
+        rate = layer.moe.bias_balancing
+        if rate > 0:
+            load = layer.load
+            if group is not None:
+                torch.distributed.all_reduce(load, group=group)
+            delta = rate * torch.sign(load.mean() - load)
+            layer.router.expert_bias += delta - delta.mean()
+        layer.load.zero_()
+
+
+def moe_metrics(model: nn.Module, group=None) -> dict[str, float]:
+    """Per MoE layer since the last call: the expert load as min and max over experts of its share divided by the
+    balanced share 1/E (1 and 1 when balanced), its entropy in nats over log(E) (1 when balanced), and the mean
+    load-balancing (top_k when balanced) and z-losses (unweighted, means over ranks' forwards); the counters restart. `group`: the
+    data-parallel group the counters are summed over (a collective: every rank calls it). One host read."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+    if not layers:
+        return {}
+    sums = torch.stack([torch.cat([m.window_load, m.window_losses]) for _, m in layers])
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    rows = sums.tolist()
+    out = {}
+    for (name, m), row in zip(layers, rows):
+        n = m.moe.n_experts
+        total, (balance, z, forwards) = max(sum(row[:n]), 1.0), row[n:]
+        share = [c / total for c in row[:n]]
+        entropy = -sum(p * math.log(p) for p in share if p > 0)
+        key = "moe/" + name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        key = key.removesuffix(".feed_forward")
+        out.update({f"{key}/load_min": min(share) * n, f"{key}/load_max": max(share) * n,
+                    f"{key}/load_entropy": entropy / math.log(n),
+                    f"{key}/balance_loss": balance / max(forwards, 1), f"{key}/z_loss": z / max(forwards, 1)})
+        m.window_load.zero_()
+        m.window_losses.zero_()
+    return out
