@@ -88,8 +88,11 @@ class ModelConfig(Section):
             base = arch.flavors[self.flavor].model_dump()
         if self.width is not None:
             base = scale_width(base, self.width)
+        merged = {**base, **self.overrides, "attention": self.attention}
+        if isinstance(self.overrides.get("moe"), dict) and isinstance(base.get("moe"), dict):
+            merged["moe"] = {**base["moe"], **self.overrides["moe"]}  # e.g. {"moe": {"bias_balancing": 0.001}}
         try:
-            return arch.args_class.model_validate({**base, **self.overrides, "attention": self.attention})
+            return arch.args_class.model_validate(merged)
         except ValidationError as e:
             raise ValueError("; ".join(format_pydantic_error(err, "model.overrides", None) for err in e.errors()))
 
