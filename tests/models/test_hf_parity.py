@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from maester.models.args import RopeScaling, TransformerArgs
+from maester.models.args import MoEArgs, RopeScaling, TransformerArgs
 from maester.models.hf import args_from_hf, hf_config, read_hf_config
 from maester.models.hf_tensors import read_hf_tensors, state_dict_from_hf, state_dict_to_hf, write_hf_tensors
 from maester.models.registry import ARCHITECTURES
@@ -37,6 +37,10 @@ CASES = {
     "olmo2-gqa": ("olmo2", dict(n_kv_heads=2)),
     "gpt_neox": ("gpt_neox", {}),
     "gpt_neox-sequential": ("gpt_neox", dict(parallel_residual=False, rotary_fraction=0.5)),
+    "olmoe": ("olmoe", {}),  # top-2 of 8 experts, scores not renormalised
+    "qwen3_moe": ("qwen3_moe", {}),  # renormalised top-2
+    "qwen3_moe-top4-tied": ("qwen3_moe", dict(tie_embeddings=True, moe=MoEArgs(
+        n_experts=8, top_k=4, expert_hidden_dim=16, norm_topk_prob=True))),
 }
 
 

@@ -168,10 +168,10 @@ def _moe(n_experts: int, top_k: int, hidden: int, dense_hidden: int | None = Non
 
 # OLMoE: OLMo's QK-norm across all heads with pre-norm blocks; softmax gates, top-k scores not renormalised,
 # load-balancing loss 0.01 (HF's router_aux_loss_coef). OLMoE was trained with a router z-loss of 0.001 too, which
-# HF configs do not carry: set moe.z_loss_coef to train as it was (the tiny flavor has it).
+# HF configs do not carry: set moe.z_loss_coef to train as it was (flavors hold what an HF config can).
 OLMOE = dict(norm="rms", norm_eps=1e-5, qk_norm="full", rope_theta=10000.0, vocab_size=50304, max_seq_len=4096)
 OLMOE_FLAVORS = _family(OLMOE, {
-    "tiny": dict(**_TINY_MOE, **_moe(8, 2, 32, aux_loss_coef=0.01, z_loss_coef=0.001)),
+    "tiny": dict(**_TINY_MOE, **_moe(8, 2, 32, aux_loss_coef=0.01)),
     "1B-7B": dict(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, **_moe(64, 8, 1024, aux_loss_coef=0.01)),
 })
 

@@ -221,10 +221,12 @@ def _olmo2_fields(hf: dict, where: str) -> dict[str, Any]:
 
 def _moe_args(hf: dict, where: str, hidden_key: str, **fixed) -> MoEArgs:
     """The experts of OLMoE and Qwen 3 MoE: count, top-k, hidden size, renormalised top-k, aux-loss weight."""
-    for key in ("num_experts", "num_experts_per_tok"):
-        if key not in hf:
+    n_experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the second
+    for key, value in (("num_experts", n_experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                       (hidden_key, hf.get(hidden_key))):
+        if value is None:
             raise HFFormatError(f"{where}: no {key} (an HF {hf.get('model_type')} config has one)")
-    return MoEArgs(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], expert_hidden_dim=hf[hidden_key],
+    return MoEArgs(n_experts=n_experts, top_k=hf["num_experts_per_tok"], expert_hidden_dim=hf[hidden_key],
                    norm_topk_prob=hf.get("norm_topk_prob", False),
                    aux_loss_coef=hf.get("router_aux_loss_coef", 0.0), **fixed)
 

@@ -1,7 +1,8 @@
 """Hugging Face `transformers` interop, the weights side: maester parameter names <-> HF names, and safetensors
 files. Each architecture lists its per-layer names on both sides. Fused HF tensors are split on import and fused
 back on export: GPT-NeoX's per-head-interleaved `query_key_value`, and Phi-3's `qkv_proj` and `gate_up_proj`
-(q, k and v, or gate and up, stacked by rows).
+(q, k and v, or gate and up, stacked by rows). MoE experts, one HF tensor per expert and projection, are stacked
+into maester's (n_experts, out, in) weights and split back.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _norm_pairs(name: str) -> list[tuple[str, str]]:
 
 def name_map(name: str, args: TransformerArgs) -> dict[str, str]:
     """maester parameter name -> HF name, for every parameter but those fused in HF (GPT-NeoX's q/k/v, Phi-3's
-    q/k/v and gate/up: `_stacked`)."""
+    q/k/v and gate/up: `_stacked`) and the experts (one HF tensor per expert: `_expert_stacks`)."""
     norm_params = ("weight", "bias") if args.norm == "layer" else ("weight",)
     neox = name == "gpt_neox"
     base = "gpt_neox." if neox else "model."
@@ -57,6 +58,9 @@ def name_map(name: str, args: TransformerArgs) -> dict[str, str]:
         if args.qk_norm != "none":
             for n in ("q_norm", "k_norm"):
                 out.update({f"{ours}attention.{n}.{p}": f"{theirs}self_attn.{n}.{p}" for p in norm_params})
+        if args.moe is not None:  # the router; the experts are stacked (`_expert_stacks`)
+            out[f"{ours}feed_forward.router.gate.weight"] = f"{theirs}mlp.gate.weight"
+            continue
         projs = ("up_proj", "down_proj") if args.mlp == "gelu" else ("gate_proj", "up_proj", "down_proj")
         for proj in ("down_proj",) if fused else projs:
             out.update({f"{ours}feed_forward.{proj}.{p}": f"{theirs}mlp.{proj}.{p}" for p in mlp_params})
@@ -77,6 +81,19 @@ def _stacked(name: str, args: TransformerArgs) -> dict[str, list[tuple[str, int]
                                                      (f"{ours}attention.v_proj.weight", kv)]
         out[f"{theirs}mlp.gate_up_proj.weight"] = [(f"{ours}feed_forward.gate_proj.weight", ffn),
                                                    (f"{ours}feed_forward.up_proj.weight", ffn)]
+    return out
+
+
+def _expert_stacks(args: TransformerArgs) -> dict[str, list[str]]:
+    """maester's stacked expert weights (n_experts, out, in) -> the HF tensors of each expert, in order (the
+    checkpoint format of OLMoE and Qwen 3 MoE, which transformers 5 also writes, fusing them only in memory)."""
+    if args.moe is None:
+        return {}
+    out = {}
+    for i in range(args.n_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[f"layers.{i}.feed_forward.experts.{proj}"] = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+                                                              for e in range(args.moe.n_experts)]
     return out
 
 
@@ -137,6 +154,7 @@ def state_dict_from_hf(name: str, args: TransformerArgs, tensors: dict[str, torc
                                 f"{_config_file(where)} implies {want}")
         for (ours, _), part in zip(parts, fused.split([rows for _, rows in parts])):
             out[ours] = part.clone()
+    out.update(_experts_from_hf(args, tensors, missing))
     if args.tie_embeddings:
         head = tensors.pop("lm_head.weight", None)
         if head is not None and "tok_embeddings.weight" in out and not torch.equal(head, out["tok_embeddings.weight"]):
@@ -148,6 +166,29 @@ def state_dict_from_hf(name: str, args: TransformerArgs, tensors: dict[str, torc
         raise HFFormatError(f"{where}: {len(tensors)} tensors this {name} model has no place for: "
                             f"{', '.join(sorted(tensors)[:5])}")
     _check_shapes(name, args, out, mapping, where)
+    return out
+
+
+def _experts_from_hf(args: TransformerArgs, tensors: dict[str, torch.Tensor], missing: list[str]) -> dict:
+    """The stacked expert weights, from one tensor per expert (checkpoints) or from transformers 5's in-memory
+    `experts.gate_up_proj` (E, 2 x hidden, dim: gate rows first) and `experts.down_proj` (a model's state_dict).
+    Tensors used are popped from `tensors`; absent ones are added to `missing`."""
+    out = {}
+    for ours, keys in _expert_stacks(args).items():
+        layer = ours.split(".")[1]
+        fused = f"model.layers.{layer}.mlp.experts."
+        if ours.endswith("down_proj") and fused + "down_proj" in tensors:
+            out[ours] = tensors.pop(fused + "down_proj")
+        elif fused + "gate_up_proj" in tensors:
+            gate_up = tensors[fused + "gate_up_proj"]
+            gate, up = gate_up.chunk(2, dim=1)
+            out[ours] = (gate if ours.endswith("gate_proj") else up).clone()
+            if ours.endswith("up_proj"):
+                del tensors[fused + "gate_up_proj"]
+        elif all(key in tensors for key in keys):
+            out[ours] = torch.stack([tensors.pop(key) for key in keys])
+        else:
+            missing.extend(key for key in keys if key not in tensors)
     return out
 
 
@@ -206,6 +247,8 @@ def state_dict_to_hf(name: str, args: TransformerArgs, state: dict[str, torch.Te
                 out[f"gpt_neox.layers.{i}.attention.query_key_value.{p}"] = per_head.reshape(-1, *parts[0].shape[1:])
     for key, parts in _stacked(name, args).items():
         out[key] = torch.cat([state.pop(ours) for ours, _ in parts])
+    for ours, keys in _expert_stacks(args).items():
+        out.update(zip(keys, state.pop(ours).unbind(0)))
     if state:
         raise HFFormatError(f"no HF name for {', '.join(sorted(state)[:5])}")
     return out
