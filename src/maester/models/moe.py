@@ -4,7 +4,7 @@ by the gates; shared experts, where there are any, see every token.
 
 Experts' weights are stacked, one (n_experts, out, in) parameter per projection, in `nn.Linear`'s orientation.
 Tokens are sorted by expert and run as one grouped GEMM (`torch._grouped_mm`) on CUDA in bf16, else as a loop over
-the experts, which gives the same numbers anywhere.
+the experts, which runs anywhere but reads the group sizes on the host.
 
 Balancing: the load-balancing loss and the router z-loss are kept on the module after each training forward
 (`aux_loss`, coefficients applied) for the model to add to its loss; the auxiliary-loss-free bias (DeepSeek-V3)
@@ -71,28 +71,39 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (tokens, dim) sorted by expert, `counts[e]` of them for expert e -> (tokens, dim)."""
+        dtype = _compute_dtype(x)
         grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_supported(x, self.down_proj))
-        return self._grouped(x, counts) if grouped else self._loop(x, counts)
+        return self._grouped(x.to(dtype), counts) if grouped else self._loop(x, counts)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMM per projection, in x's dtype (autocast does not cover `_grouped_mm`)."""
         offs = counts.cumsum(0).to(torch.int32)
-        gate = torch._grouped_mm(x, self.gate_proj.transpose(-2, -1), offs=offs)
-        up = torch._grouped_mm(x, self.up_proj.transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(self._act(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+        w = [p.to(x.dtype).transpose(-2, -1) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        gate = torch._grouped_mm(x, w[0], offs=offs)
+        up = torch._grouped_mm(x, w[1], offs=offs)
+        return torch._grouped_mm(self._act(gate) * up, w[2], offs=offs)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert by expert; reads the group sizes on the host (a sync per layer, where no grouped GEMM runs)."""
         outs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):  # the one host read: the group sizes
+        for e, chunk in enumerate(x.split(counts.tolist())):
             h = self._act(F.linear(chunk, self.gate_proj[e])) * F.linear(chunk, self.up_proj[e])
             outs.append(F.linear(h, self.down_proj[e]))
         return torch.cat(outs)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on x run in: autocast's where it is on for x's device, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs forward and backward here: CUDA, bf16, rows 16-byte aligned. On CPU
-    recent torch runs the forward but not the backward, so training there takes the loop."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and all(n % 8 == 0 for n in weight.shape[1:]))
+    """Whether `torch._grouped_mm` runs forward and backward here: CUDA, computing in bf16 (weights cast, so
+    fp32 weights under bf16 autocast qualify), rows 16-byte aligned. On CPU recent torch runs the forward but not
+    the backward, so training there takes the loop."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and _compute_dtype(x) == torch.bfloat16
+            and all(n % 8 == 0 for n in weight.shape[1:]))
 
 
 class MoEFeedForward(nn.Module):
