@@ -47,3 +47,30 @@ def test_bias_balancing_moves_the_selection_bias_from_a_partial_override(corpus,
         assert layer.moe.n_experts == 8 and layer.moe.bias_balancing == 0.01  # the flavor's, with the override
         assert bias.abs().max() > 0 and bias.sum().abs() < 1e-5
         assert torch.equal(layer.load, torch.zeros(8))  # restarted after the last step
+
+
+def test_exact_resume_keeps_the_selection_bias(corpus, tmp_path):
+    """4 uninterrupted steps == 2 steps, a SIGKILL after step 3, then a resume to 4 from step 2's checkpoint:
+    bit-identical losses; the bias balancing state (the selection bias) is in the checkpoint."""
+    import os
+    import signal
+
+    from tests.helpers import DEMO_CONFIG, clean_env, run_maester
+
+    def args(name):
+        overrides = json.dumps({"moe": {"bias_balancing": 0.01}})
+        return ["train", str(DEMO_CONFIG), *tiny_overrides(corpus, tmp_path / "jobs", name, model__name="qwen3_moe",
+                                                           model__overrides=overrides, training__steps=4,
+                                                           checkpoint__interval=2)]
+
+    straight = run_maester(args("straight"), tmp_path)
+    assert straight.returncode == 0, straight.stderr
+    killed = run_maester(args("resumed"), tmp_path, env=clean_env(_MAESTER_FAULT="after_step:3"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    job = tmp_path / "jobs" / "resumed"
+    assert os.readlink(job / "checkpoints" / "latest") == "step-2"
+    resumed = run_maester(["train", str(job)], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    a = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "jobs" / "straight" / "metrics.jsonl")}
+    b = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
+    assert a[3] == b[3] and a[4] == b[4]

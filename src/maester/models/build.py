@@ -66,15 +66,19 @@ def materialize_for_loading(model: nn.Module, device: torch.device,
                             buffer_device: torch.device | None = None) -> nn.Module:
     """Allocate a meta-built model on `device` for weights that are loaded next, strictly (a checkpoint's, an HF
     directory's): the parameters stay as allocated, in the dtype they were built in, and only the buffers no
-    checkpoint holds (RoPE frequencies) are computed, on `buffer_device` where given (as `materialize`). No
-    random init: the load overwrites every parameter."""
+    checkpoint holds are set: RoPE frequencies, and MoE load counters at zero (with the selection bias, which a
+    checkpoint overwrites where balancing uses it), on `buffer_device` where given (as `materialize`). No random
+    init: the load overwrites every parameter."""
     from maester.models.layers import RotaryEmbedding
+    from maester.models.moe import MoEFeedForward
 
     model.to_empty(device=device)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.reset_parameters()
+            elif isinstance(module, MoEFeedForward):
+                module.reset_state()
     return _buffers_to(model, device, buffer_device)
 
 
