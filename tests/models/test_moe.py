@@ -158,6 +158,18 @@ def test_the_model_adds_the_weighted_aux_losses_per_label_token_in_training_only
     assert aux_loss(model) is None  # collected by that forward
 
 
+def test_activation_checkpointing_gives_the_same_gradients_with_the_aux_losses():
+    grads = []
+    for checkpointed in (False, True):
+        layer = make_layer(aux_loss_coef=0.1, z_loss_coef=0.01)
+        x = torch.randn(30, 16, generator=torch.Generator().manual_seed(3))
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        (out.square().mean() + aux_loss(layer)).backward()
+        grads.append([p.grad for p in layer.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_checkpointed_recomputation_counts_the_load_once():
     layer = make_layer()
     x = torch.randn(30, 16, requires_grad=True)

@@ -74,3 +74,13 @@ def test_exact_resume_keeps_the_selection_bias(corpus, tmp_path):
     a = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "jobs" / "straight" / "metrics.jsonl")}
     b = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
     assert a[3] == b[3] and a[4] == b[4]
+
+
+def test_activation_checkpointing_trains_as_without(corpus, tmp_path):
+    """Full and selective-op checkpointing recompute the MoE blocks (aux losses included): the same losses and
+    load as without (that a recomputation is not counted is tested on the layer, in tests/models/test_moe.py)."""
+    _, plain = train(corpus, tmp_path, "plain", steps=2)
+    for mode in ("full", "selective-op"):
+        _, checkpointed = train(corpus, tmp_path, mode, steps=2, parallel__activation_checkpointing=mode)
+        for a, b in zip(plain, checkpointed):
+            assert a["loss"] == b["loss"] and a["moe/layers.0/load_max"] == b["moe/layers.0/load_max"], mode
