@@ -33,7 +33,8 @@ EXACT = {
     ("qwen2", "0.5B"): 494_032_768, ("qwen2", "7B"): 7_615_616_512,
     ("phi3", "mini-4k"): 3_821_079_552, ("phi3", "medium-4k"): 13_960_238_080,
     ("olmoe", "1B-7B"): 6_919_161_856, ("qwen3_moe", "30B-A3B"): 30_532_122_624,
-    ("qwen3_moe", "235B-A22B"): 235_093_634_560,
+    ("qwen3_moe", "235B-A22B"): 235_093_634_560, ("mixtral", "8x7B"): 46_702_792_704,
+    ("mixtral", "8x22B"): 140_630_071_296,
 }
 # Non-embedding parameters as published, rounded to the figure's last digit.
 NON_EMBEDDING = {
@@ -85,7 +86,7 @@ def test_published_parameter_counts(name, flavor):
 
 
 SMALLEST = ("1B", "270M", "0.6B", "pythia-160m", "smollm2-135M", "7B-v0.1", "2B", "0.5B", "mini-4k", "1B-7B",
-            "30B-A3B")
+            "30B-A3B", "8x7B")
 
 
 @pytest.mark.parametrize("name,flavor", [k for k in PUBLISHED if k[1] in SMALLEST])

@@ -41,6 +41,8 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {}),  # renormalised top-2
     "qwen3_moe-top4-tied": ("qwen3_moe", dict(tie_embeddings=True, moe=MoEArgs(
         n_experts=8, top_k=4, expert_hidden_dim=16, norm_topk_prob=True))),
+    "mixtral": ("mixtral", {}),
+    "mixtral-window": ("mixtral", dict(sliding_window=8)),
 }
 
 

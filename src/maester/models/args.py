@@ -2,7 +2,7 @@
 
 One argument set describes every architecture in the registry: Llama, Mistral, Gemma 2 and 3, Qwen 2 and 3, OLMo 2,
 Phi-3 and GPT-NeoX differ only in the switches below (norm kind and placement, QK-norm, MLP kind, biases, partial
-rotary, sliding windows, logit soft-capping). An architecture is a set of defaults plus named flavors (`maester.models.flavors`).
+rotary, sliding windows, logit soft-capping); OLMoE, Qwen 3 MoE and Mixtral add a mixture of experts (`moe`). An architecture is a set of defaults plus named flavors (`maester.models.flavors`).
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ class TransformerArgs(BaseModel):
     # The attention kernel, set from `model.attention` (not an override): it changes no parameter or result.
     attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     moe: MoEArgs | None = None
-    """A mixture-of-experts feed-forward in every block (OLMoE, Qwen 3 MoE, Mixtral); None: the dense MLP."""
+    """A mixture-of-experts feed-forward in every block (OLMoE, Qwen 3 MoE, Mixtral); None: the dense MLP. With it
+    `ffn_hidden_dim` is unused (flavors keep HF's intermediate_size there)."""
     mup: MupConfig | None = None
     """μP (maximal update parametrization): the run's `mup` section where it is enabled; None: off."""
 

@@ -184,3 +184,14 @@ QWEN3_MOE_FLAVORS = _family(QWEN3, {
     "235B-A22B": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
                       **_moe(128, 8, 1536, dense_hidden=12288, **_QWEN3_MOE_LOSSES)),
 })
+
+# Mixtral: Mistral's block with 8 experts top-2, gates renormalised over the chosen two; HF's default
+# router_aux_loss_coef.
+MIXTRAL = dict(norm="rms", norm_eps=1e-5, rope_theta=1_000_000.0, max_seq_len=32768)
+MIXTRAL_FLAVORS = _family(MIXTRAL, {
+    "tiny": dict(**_TINY_MOE, **_moe(8, 2, 32, norm_topk_prob=True, aux_loss_coef=0.001)),
+    "8x7B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                 **_moe(8, 2, 14336, norm_topk_prob=True, aux_loss_coef=0.001)),
+    "8x22B": dict(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, vocab_size=32768, max_seq_len=65536,
+                  **_moe(8, 2, 16384, norm_topk_prob=True, aux_loss_coef=0.001)),
+})

@@ -24,6 +24,7 @@ HF_NAMES = {
     "gpt_neox": ("gpt_neox", "GPTNeoXForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
 }
 _FROM_MODEL_TYPE = {model_type: name for name, (model_type, _) in HF_NAMES.items()} | {"gemma3": "gemma3"}
 _ACTIVATIONS = {name: "silu" for name in HF_NAMES} | {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
@@ -219,16 +220,17 @@ def _olmo2_fields(hf: dict, where: str) -> dict[str, Any]:
     return _llama_fields(hf, where) | dict(norm_placement="post", qk_norm="full")
 
 
-def _moe_args(hf: dict, where: str, hidden_key: str, **fixed) -> MoEArgs:
-    """The experts of OLMoE and Qwen 3 MoE: count, top-k, hidden size, renormalised top-k, aux-loss weight."""
+def _moe_args(hf: dict, where: str, hidden_key: str, norm_topk_prob: bool | None = None) -> MoEArgs:
+    """The experts of OLMoE, Qwen 3 MoE and Mixtral: count, top-k, hidden size, renormalised top-k (a config key,
+    or fixed by the class: `norm_topk_prob`), aux-loss weight."""
     n_experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the second
     for key, value in (("num_experts", n_experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
                        (hidden_key, hf.get(hidden_key))):
         if value is None:
             raise HFFormatError(f"{where}: no {key} (an HF {hf.get('model_type')} config has one)")
     return MoEArgs(n_experts=n_experts, top_k=hf["num_experts_per_tok"], expert_hidden_dim=hf[hidden_key],
-                   norm_topk_prob=hf.get("norm_topk_prob", False),
-                   aux_loss_coef=hf.get("router_aux_loss_coef", 0.0), **fixed)
+                   norm_topk_prob=hf.get("norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob,
+                   aux_loss_coef=hf.get("router_aux_loss_coef", 0.0))
 
 
 def _olmoe_fields(hf: dict, where: str) -> dict[str, Any]:
@@ -243,6 +245,14 @@ def _qwen3_moe_fields(hf: dict, where: str) -> dict[str, Any]:
         raise HFFormatError(f"{where}: dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step) are "
                             f"not supported: every layer must be sparse")
     return _qwen3_fields(hf, where) | dict(moe=_moe_args(hf, where, "moe_intermediate_size"))
+
+
+def _mixtral_fields(hf: dict, where: str) -> dict[str, Any]:
+    if hf.get("router_jitter_noise"):
+        raise HFFormatError(f"{where}: router_jitter_noise = {hf['router_jitter_noise']!r} is not supported (0 only)")
+    window = _all_layers_window(hf, where, hf.get("sliding_window"))
+    return _unbiased_fields(hf, where, 1e-5) | dict(
+        sliding_window=window, moe=_moe_args(hf, where, "intermediate_size", norm_topk_prob=True))
 
 
 def _gemma_fields(hf: dict, where: str) -> dict[str, Any]:
@@ -278,6 +288,7 @@ _FAMILY_FIELDS = {
     "llama": _llama_fields, "mistral": _mistral_fields, "gemma2": _gemma_fields, "gemma3": _gemma_fields,
     "qwen2": _qwen2_fields, "qwen3": _qwen3_fields, "olmo2": _olmo2_fields, "phi3": _phi3_fields,
     "gpt_neox": _gpt_neox_fields, "olmoe": _olmoe_fields, "qwen3_moe": _qwen3_moe_fields,
+    "mixtral": _mixtral_fields,
 }
 
 
@@ -315,9 +326,9 @@ def hf_config(name: str, args: TransformerArgs, *, bos_id: int | None = None, eo
     cfg.update(rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, rope_scaling=scaling)
     if name == "llama":
         cfg["mlp_bias"] = args.mlp_bias
-    if name in ("mistral", "qwen2", "phi3"):  # classes without a bias switch
+    if name in ("mistral", "qwen2", "phi3", "mixtral"):  # classes without a bias switch
         del cfg["attention_bias"]
-    if name in ("mistral", "phi3"):
+    if name in ("mistral", "phi3", "mixtral"):
         cfg["sliding_window"] = args.sliding_window  # every layer's, null for none
     if name == "phi3":
         cfg["partial_rotary_factor"] = args.rotary_fraction
@@ -331,8 +342,11 @@ def hf_config(name: str, args: TransformerArgs, *, bos_id: int | None = None, eo
 
 
 def _moe_config(name: str, moe: MoEArgs, cfg: dict[str, Any]) -> None:
-    cfg.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=moe.norm_topk_prob,
-               router_aux_loss_coef=moe.aux_loss_coef, output_router_logits=False)
+    cfg.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef, output_router_logits=False)
+    if name == "mixtral":  # always renormalises the top-k gates
+        cfg.update(num_local_experts=moe.n_experts, intermediate_size=moe.expert_hidden_dim, router_jitter_noise=0.0)
+        return
+    cfg.update(num_experts=moe.n_experts, norm_topk_prob=moe.norm_topk_prob)
     if name == "qwen3_moe":
         cfg.update(moe_intermediate_size=moe.expert_hidden_dim, decoder_sparse_step=1, mlp_only_layers=[],
                    use_sliding_window=False)

@@ -59,7 +59,7 @@ def name_map(name: str, args: TransformerArgs) -> dict[str, str]:
             for n in ("q_norm", "k_norm"):
                 out.update({f"{ours}attention.{n}.{p}": f"{theirs}self_attn.{n}.{p}" for p in norm_params})
         if args.moe is not None:  # the router; the experts are stacked (`_expert_stacks`)
-            out[f"{ours}feed_forward.router.gate.weight"] = f"{theirs}mlp.gate.weight"
+            out[f"{ours}feed_forward.router.gate.weight"] = f"{theirs}{_moe_module(name)}.gate.weight"
             continue
         projs = ("up_proj", "down_proj") if args.mlp == "gelu" else ("gate_proj", "up_proj", "down_proj")
         for proj in ("down_proj",) if fused else projs:
@@ -84,16 +84,26 @@ def _stacked(name: str, args: TransformerArgs) -> dict[str, list[tuple[str, int]
     return out
 
 
-def _expert_stacks(args: TransformerArgs) -> dict[str, list[str]]:
+def _moe_module(name: str) -> str:
+    """Where an HF checkpoint keeps a layer's router and experts."""
+    return "block_sparse_moe" if name == "mixtral" else "mlp"
+
+
+_MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _expert_stacks(name: str, args: TransformerArgs) -> dict[str, list[str]]:
     """maester's stacked expert weights (n_experts, out, in) -> the HF tensors of each expert, in order (the
-    checkpoint format of OLMoE and Qwen 3 MoE, which transformers 5 also writes, fusing them only in memory)."""
+    checkpoint format of OLMoE, Qwen 3 MoE and Mixtral, which transformers 5 also writes, fusing them only in
+    memory)."""
     if args.moe is None:
         return {}
     out = {}
     for i in range(args.n_layers):
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[f"layers.{i}.feed_forward.experts.{proj}"] = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
-                                                              for e in range(args.moe.n_experts)]
+            theirs = _MIXTRAL_EXPERT_NAMES[proj] if name == "mixtral" else proj
+            out[f"layers.{i}.feed_forward.experts.{proj}"] = [
+                f"model.layers.{i}.{_moe_module(name)}.experts.{e}.{theirs}.weight" for e in range(args.moe.n_experts)]
     return out
 
 
@@ -114,6 +124,9 @@ def _normalise_hf_keys(name: str, tensors: dict[str, torch.Tensor]) -> dict[str,
             key = key.replace("language_model.lm_head.", "lm_head.", 1)
         if name == "gpt_neox" and key.startswith("lm_head."):  # transformers 5's in-memory name
             key = "embed_out." + key[len("lm_head."):]
+        if name == "mixtral":  # transformers 5's in-memory names (mlp.gate, mlp.experts.gate_up_proj, ...)
+            key = key.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(".mlp.experts.",
+                                                                                ".block_sparse_moe.experts.")
         out[key] = value
     return out
 
@@ -154,7 +167,7 @@ def state_dict_from_hf(name: str, args: TransformerArgs, tensors: dict[str, torc
                                 f"{_config_file(where)} implies {want}")
         for (ours, _), part in zip(parts, fused.split([rows for _, rows in parts])):
             out[ours] = part.clone()
-    out.update(_experts_from_hf(args, tensors, missing))
+    out.update(_experts_from_hf(name, args, tensors, missing))
     if args.tie_embeddings:
         head = tensors.pop("lm_head.weight", None)
         if head is not None and "tok_embeddings.weight" in out and not torch.equal(head, out["tok_embeddings.weight"]):
@@ -169,14 +182,14 @@ def state_dict_from_hf(name: str, args: TransformerArgs, tensors: dict[str, torc
     return out
 
 
-def _experts_from_hf(args: TransformerArgs, tensors: dict[str, torch.Tensor], missing: list[str]) -> dict:
+def _experts_from_hf(name: str, args: TransformerArgs, tensors: dict[str, torch.Tensor], missing: list[str]) -> dict:
     """The stacked expert weights, from one tensor per expert (checkpoints) or from transformers 5's in-memory
     `experts.gate_up_proj` (E, 2 x hidden, dim: gate rows first) and `experts.down_proj` (a model's state_dict).
     Tensors used are popped from `tensors`; absent ones are added to `missing`."""
     out = {}
-    for ours, keys in _expert_stacks(args).items():
+    for ours, keys in _expert_stacks(name, args).items():
         layer = ours.split(".")[1]
-        fused = f"model.layers.{layer}.mlp.experts."
+        fused = f"model.layers.{layer}.{_moe_module(name)}.experts."
         if ours.endswith("down_proj") and fused + "down_proj" in tensors:
             out[ours] = tensors.pop(fused + "down_proj")
         elif fused + "gate_up_proj" in tensors:
@@ -247,7 +260,7 @@ def state_dict_to_hf(name: str, args: TransformerArgs, state: dict[str, torch.Te
                 out[f"gpt_neox.layers.{i}.attention.query_key_value.{p}"] = per_head.reshape(-1, *parts[0].shape[1:])
     for key, parts in _stacked(name, args).items():
         out[key] = torch.cat([state.pop(ours) for ours, _ in parts])
-    for ours, keys in _expert_stacks(args).items():
+    for ours, keys in _expert_stacks(name, args).items():
         out.update(zip(keys, state.pop(ours).unbind(0)))
     if state:
         raise HFFormatError(f"no HF name for {', '.join(sorted(state)[:5])}")

@@ -15,6 +15,7 @@ from maester.models.flavors import (
     GPT_NEOX_FLAVORS,
     LLAMA_FLAVORS,
     MISTRAL_FLAVORS,
+    MIXTRAL_FLAVORS,
     OLMO2_FLAVORS,
     OLMOE_FLAVORS,
     PHI3_FLAVORS,
@@ -48,4 +49,5 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gpt_neox": Architecture(TransformerArgs, GPT_NEOX_FLAVORS, _TRANSFORMER),
     "olmoe": Architecture(TransformerArgs, OLMOE_FLAVORS, _TRANSFORMER),
     "qwen3_moe": Architecture(TransformerArgs, QWEN3_MOE_FLAVORS, _TRANSFORMER),
+    "mixtral": Architecture(TransformerArgs, MIXTRAL_FLAVORS, _TRANSFORMER),
 }

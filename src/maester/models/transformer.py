@@ -1,5 +1,5 @@
 """The decoder-only transformer every architecture is built from (Llama, Mistral, Gemma 2 and 3, Qwen 2 and 3,
-OLMo 2, Phi-3, GPT-NeoX).
+OLMo 2, Phi-3, GPT-NeoX; OLMoE, Qwen 3 MoE and Mixtral with `maester.models.moe`'s feed-forward).
 
 A block is attention then MLP, each a residual branch; `TransformerArgs` picks the norm kind and where it
 sits (pre, post or both), QK-norm, the MLP kind, biases, partial rotary, sliding-window layers, a parallel
