@@ -256,3 +256,23 @@ def test_mfu_counts_the_active_parameters_only():
     experts = sum(p.numel() for block in model.layers.values() for p in block.feed_forward.experts.parameters())
     assert matmul_parameters(model) == dense_total - experts + experts * 2 // 8
     assert math.isclose(matmul_parameters(model) / dense_total, 1 - 0.75 * experts / dense_total)
+
+
+@pytest.mark.slow
+def test_compiled_layer_equals_eager_with_its_aux_loss_and_load():
+    """torch.compile (as per-block compile applies it): the same output, aux loss and gradients, the load counted
+    once (the loop's host read and the recomputation check break the graph, they do not fail it)."""
+    results = []
+    for compiled in (False, True):
+        layer = make_layer(n_experts=4, aux_loss_coef=0.1, z_loss_coef=0.01, bias_balancing=0.01)
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(5))
+        out = (torch.compile(layer) if compiled else layer)(x)
+        extra = aux_loss(layer)
+        (out.sum() + extra).backward()
+        results.append((out, extra, [p.grad for p in layer.parameters()], layer.load.clone()))
+    (out, extra, grads, load), (c_out, c_extra, c_grads, c_load) = results
+    torch.testing.assert_close(c_out, out)
+    torch.testing.assert_close(c_extra, extra)
+    for a, b in zip(grads, c_grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert torch.equal(load, c_load) and load.sum().item() == 16 * 2
