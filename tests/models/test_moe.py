@@ -276,3 +276,37 @@ def test_compiled_layer_equals_eager_with_its_aux_loss_and_load():
     for a, b in zip(grads, c_grads):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     assert torch.equal(load, c_load) and load.sum().item() == 16 * 2
+
+
+def test_auto_dispatch_takes_the_loop_on_cpu():
+    """What can be shown without a GPU: the grouped GEMM is chosen only for CUDA tensors computing in bf16."""
+    from maester.models.moe import grouped_mm_supported
+
+    layer = make_layer(dim=16)
+    x = torch.randn(8, 16)
+    assert not grouped_mm_supported(x, layer.experts.down_proj)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not grouped_mm_supported(x, layer.experts.down_proj)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_gemm_on_cuda_trains_like_the_loop():
+    """On CUDA under bf16 autocast, `auto` runs the grouped GEMM; its forward and gradients match the loop's."""
+    from maester.models.moe import grouped_mm_supported
+
+    torch.manual_seed(0)
+    layer = make_layer(dim=64).cuda()
+    x = torch.randn(256, 64, device="cuda")
+    results = {}
+    for dispatch in ("loop", "auto"):
+        layer.experts.dispatch = dispatch
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if dispatch == "auto":
+                assert grouped_mm_supported(x, layer.experts.down_proj)
+            out = layer(x)
+        out.float().square().mean().backward()
+        results[dispatch] = (out.float(), layer.experts.gate_proj.grad.clone(), layer.router.gate.weight.grad.clone())
+    for got, want in zip(results["auto"], results["loop"]):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
