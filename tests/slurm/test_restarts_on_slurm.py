@@ -46,6 +46,28 @@ def test_a_killed_rank_restarts_and_the_after_job_runs_once(corpus_here):
     assert f"job {first} failed with exit code 137 (SIGKILL)" in report.stdout
 
 
+def test_a_job_slurm_will_not_requeue_is_submitted_again(corpus_here):
+    """slurm.requeue = false (`--no-requeue`, as on partitions that forbid it): `scontrol requeue` fails, and the
+    restart submits the job script again as a new job, which resumes from `latest`."""
+    steps = 8
+    expected = reference(corpus_here, steps)
+    env = clean_env(_MAESTER_FAULT="after_step:5", _MAESTER_FAULT_ONCE=str(corpus_here / "crashed-once"))
+    out = run_maester(["submit", *submit_args(corpus_here, "resubmit", training__steps=steps, slurm__max_restarts=1,
+                                              slurm__requeue="false")], corpus_here, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = corpus_here / "jobs" / "resubmit"
+    first = recorded_jobs(job)[0]["job_id"]
+    assert wait_for_job(first, TIMEOUT) == "COMPLETED"  # its script ended by submitting the restart
+    (restart,) = [r for r in recorded_jobs(job) if r.get("event") == "restart"]
+    assert restart["job_id"] != first and restart["failed_job"] == first and restart["exit_code"] == 137
+    assert wait_for_job(restart["job_id"], TIMEOUT) == "COMPLETED"
+    assert job_restarts(first) == 0  # not requeued: a new job
+    out_log = (job / "logs" / f"{first}.out").read_text()
+    assert f"scontrol requeue {first} failed" in out_log and f"resubmitted as job {restart['job_id']}" in out_log
+    got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
+    assert [got[s] for s in range(1, steps + 1)] == expected
+
+
 def test_a_config_error_is_not_retried(corpus_here):
     # init_from is a directory but not a checkpoint: the trainer exits with 2 on every try
     job = submit(corpus_here, "bad", training__steps=3, slurm__max_restarts=2, checkpoint__init_from=str(corpus_here))
