@@ -1,8 +1,10 @@
 """Where a forward + backward spends its time on the CPU: torch.profiler's self time by op, our Llama against
 `transformers`' `LlamaForCausalLM` on the same weights (8 x 512 tokens, 6 layers x 384, eager, float32).
 
-    uv run python benchmarks/hot_path.py               # one thread: CPU time, steady under other load
-    uv run python benchmarks/hot_path.py --threads 2
+    uv run python -m benchmarks.hot_path               # one thread: CPU time, steady under other load
+    uv run python -m benchmarks.hot_path --threads 2
+
+(`-m` from the repository root: it takes the shapes and the peer from `benchmarks/peers.py`.)
 
 Ops are grouped: matmul (aten::mm/addmm/bmm), attention (SDPA's kernels, forward and backward), and the rest
 (norms, RoPE, activations, residual adds, copies), the part a model's code decides.
