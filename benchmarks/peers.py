@@ -155,6 +155,8 @@ def plain_loop(kind: str, shape: dict, compile: bool) -> dict:
 
 def maester_train(shape: dict, compile: bool) -> dict:
     """`maester train` of the demo config at `shape`: the median of its own per-step tokens/s."""
+    from maester.train.metrics import read_metrics
+
     with tempfile.TemporaryDirectory() as tmp:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MAESTER_")}
         env.setdefault("XDG_CACHE_HOME", str(Path(tmp) / "cache"))
@@ -166,7 +168,7 @@ def maester_train(shape: dict, compile: bool) -> dict:
                    "--checkpoint.interval=0", "--checkpoint.save_final=false", f"--parallel.compile={str(compile).lower()}"]
         subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         job = next((Path(tmp) / "jobs").iterdir())
-        records = [json.loads(line) for line in open(job / "metrics.jsonl")]
+        records = read_metrics(job / "metrics.jsonl")
     steady = records[shape["warmup"]:]
     return {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in steady),
             "parameters": our_parameters(shape), "first_step_s": records[0]["step_seconds"]}

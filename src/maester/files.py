@@ -131,6 +131,18 @@ class AtomicOutputs:
         self._pairs.clear()
 
 
+def create_new(path: Path, text: str = "") -> bool:
+    """Create `path` holding `text` unless it exists (O_EXCL: of several processes trying, exactly one creates it);
+    True for the one that did. A marker or a first-come record, not a durable write."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
+
+
 def fsync_file(path: Path) -> None:
     """Flush a written file's data to disk."""
     with open(path, "rb+") as f:

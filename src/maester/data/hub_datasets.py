@@ -86,10 +86,11 @@ class HubFile:
         """A seekable binary file that fetches the byte ranges read, at the pinned commit."""
         hub = import_hub(f"reading {self}")
         # the size is known from the listing: no request to ask for it again
-        return hub.HfFileSystem().open(_fs_path(self.repo, self.commit, self.path), "rb", size=self.size)
+        return hub.HfFileSystem().open(fs_path(self.repo, self.commit, self.path), "rb", size=self.size)
 
 
-def _fs_path(repo: str, commit: str, path: str = "") -> str:
+def fs_path(repo: str, commit: str, path: str = "") -> str:
+    """A repository path at a commit as `HfFileSystem` names it."""
     return f"datasets/{repo}@{commit}" + (f"/{path}" if path else "")
 
 
@@ -122,7 +123,7 @@ def resolve_hub_files(source: str, fmt: str = "auto", parquet_only: bool = True)
 
 def _listing(fs, where: HubDatasetPath, commit: str) -> list[tuple[str, int, str]]:
     """(path in the repository, size, key name) of the source's files at `commit`, sorted by path."""
-    root = _fs_path(where.repo, commit)
+    root = fs_path(where.repo, commit)
     target = f"{root}/{where.pattern}" if where.pattern else root
     magic = any(ch in where.pattern for ch in "*?[")
     found = fs.glob(target, detail=True) if magic else fs.find(target, detail=True)

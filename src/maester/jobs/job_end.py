@@ -22,7 +22,7 @@ from pathlib import Path
 
 from maester import exit_codes
 from maester.config import Config
-from maester.files import write_atomically
+from maester.files import create_new, write_atomically
 from maester.jobs.slurm import (AFTER_SCRIPT, SubmitError, recorded_jobs, record_job, restarts_since_submission,
                                 sbatch)
 from maester.jobs.torchrun import FAILURE_FILE
@@ -116,17 +116,15 @@ def claim_after(job_dir: Path, step: int) -> bool:
     marker (exclusively), or replaced one of an earlier completion, below `step` (training.steps was raised)."""
     path = job_dir / AFTER_MARKER
     for _ in range(2):
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        if create_new(path):
             return True
-        except FileExistsError:
-            try:
-                earlier = json.loads(path.read_text() or "{}").get("step")
-            except (OSError, json.JSONDecodeError):
-                return False  # another caller is writing it
-            if not isinstance(earlier, int) or earlier >= step:
-                return False
-            path.unlink(missing_ok=True)
+        try:
+            earlier = json.loads(path.read_text() or "{}").get("step")
+        except (OSError, json.JSONDecodeError):
+            return False  # another caller is writing it
+        if not isinstance(earlier, int) or earlier >= step:
+            return False
+        path.unlink(missing_ok=True)
     return False
 
 

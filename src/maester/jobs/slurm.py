@@ -187,7 +187,7 @@ def training_jobs(records: list[dict]) -> list[dict]:
 def restarts_since_submission(records: list[dict]) -> list[dict]:
     """The restarts after failures since the last `maester submit` (or sweep retry): what `slurm.max_restarts`
     counts."""
-    since = [r for r in records if r.get("event", "submit") in ("submit", "restart")]
+    since = training_jobs(records)
     last_submit = max((i for i, r in enumerate(since) if r.get("event", "submit") == "submit"), default=-1)
     return [r for r in since[last_submit + 1:] if r.get("event") == "restart"]
 

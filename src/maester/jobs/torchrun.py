@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -22,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from maester import exit_codes
+from maester.files import create_new
 
 FAILURE_FILE = "failure"
 
@@ -46,13 +46,7 @@ def shell_status(code: int) -> int:
 def record_failure(job_dir: Path, record: dict) -> bool:
     """Write `<job>/failure` unless it exists (created exclusively: the first node's launcher wins)."""
     text = json.dumps({**record, "time": datetime.now(UTC).isoformat(timespec="seconds")}) + "\n"
-    try:
-        fd = os.open(job_dir / FAILURE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return True
+    return create_new(job_dir / FAILURE_FILE, text)
 
 
 def _job_dir(args) -> Path:

@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from maester.data.hub_datasets import HubDatasetPath, HubFile, network_errors, resolve_hub_files
+from maester.data.hub_datasets import HubDatasetPath, HubFile, fs_path, network_errors, resolve_hub_files
 from maester.files import AtomicOutputs, fsync_dir, read_json_object, write_atomically
 from maester.hub import hub_offline, import_hub
 
@@ -113,7 +113,7 @@ def _fetch(fs, hub, f: HubFile, dest: Path) -> int:
     with AtomicOutputs() as outputs:
         tmp = outputs.temp_for(dest)
         try:
-            fs.get_file(f"datasets/{f.repo}@{f.commit}/{f.path}", str(tmp))
+            fs.get_file(fs_path(f.repo, f.commit, f.path), str(tmp))
         except network_errors(hub) as e:
             raise ValueError(f"{f}: fetching it failed: {str(e).splitlines()[0]}") from None
         if tmp.stat().st_size != f.size:

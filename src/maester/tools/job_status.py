@@ -17,13 +17,18 @@ def job_ids(records: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["job_id"] for r in records))
 
 
+def _job_dir(job_dir: Path) -> Path:
+    """`job_dir` as a Path; FileNotFoundError unless it holds a job's config.json."""
+    job_dir = Path(job_dir)
+    if not (job_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{job_dir / 'config.json'} does not exist: {job_dir} is not a job directory")
+    return job_dir
+
+
 def status_items(job_dir: Path, now: float | None = None) -> list[tuple[str, str]]:
     """(label, text) pairs: SLURM, status, step, loss, remaining, restarts, post-processing."""
-    job_dir = Path(job_dir)
-    config_file = job_dir / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} does not exist: {job_dir} is not a job directory")
-    cfg = Config.from_json_file(config_file)
+    job_dir = _job_dir(job_dir)
+    cfg = Config.from_json_file(job_dir / "config.json")
     now = time.time() if now is None else now
     records = recorded_jobs(job_dir)
     training = training_jobs(records)
@@ -66,9 +71,7 @@ def format_status(job_dir: Path, items: list[tuple[str, str]]) -> str:
 def cancel(job_dir: Path) -> list[str]:
     """`scancel` the job's SLURM jobs still queued or running (links of a chain, a restart, the post-processing
     job); returns their ids. The trainer takes the SIGTERM to save a checkpoint first, as on a preemption."""
-    job_dir = Path(job_dir)
-    if not (job_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{job_dir / 'config.json'} does not exist: {job_dir} is not a job directory")
+    job_dir = _job_dir(job_dir)
     records = recorded_jobs(job_dir)
     if not records:
         raise FileNotFoundError(f"{job_dir / 'slurm_jobs.jsonl'} does not exist: the job was never submitted")

@@ -15,6 +15,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
+
+from maester.files import create_new
 
 ENV = "_MAESTER_FAULT"
 ONCE_ENV = "_MAESTER_FAULT_ONCE"
@@ -35,13 +38,7 @@ def fault_at(point: str, step: int) -> bool:
 def _first_run() -> bool:
     """False when `_MAESTER_FAULT_ONCE` names a file an earlier run created; creates it otherwise."""
     once = os.environ.get(ONCE_ENV)
-    if not once:
-        return True
-    try:
-        os.close(os.open(once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    except FileExistsError:
-        return False
-    return True
+    return not once or create_new(Path(once))
 
 
 def maybe_crash(point: str, step: int) -> None:

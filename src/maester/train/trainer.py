@@ -111,9 +111,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
         self._latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
         # A resume overwrites every weight and restores the RNG: the random init would be work thrown away.
-        resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
+        self._resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
         self.model = build_training_model(cfg, self.tokenizer.vocab_size, self.dims, self.device, self.precision,
-                                          initialise=not resuming)
+                                          initialise=not self._resuming)
         if self.precision.loss_scaling:
             self.scaler = LossScaler(next(iter(self.model.parameters())).device)
         self.loss_parallel = uses_loss_parallel(self.model)
@@ -145,7 +145,7 @@ class Trainer:
         fresh at `checkpoint.step_offset`."""
         c, total = self.cfg.checkpoint, self.cfg.training.steps
         latest = self._latest
-        if latest is not None and not read_trainer_state(latest).get("seed_checkpoint"):
+        if self._resuming:
             state = self.checkpointer.load(latest, self.model, self.optimizer, "continue")
             self._take_trainer_state(state, LOAD_MODES["continue"])
             self.provenance = {k: state[k] for k in ("init_from", "load_mode") if k in state}
