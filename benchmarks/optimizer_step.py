@@ -1,4 +1,5 @@
-"""Time of one optimizer step, Muon against AdamW (the baseline), on one process.
+"""Time of one optimizer step, Muon and AdamW's other implementations against AdamW as `auto` builds it (the
+baseline: fused), on one process.
 
     uv run python benchmarks/optimizer_step.py                  # the demo Llama on this machine's device
     uv run python benchmarks/optimizer_step.py --flavor 1B      # on a GPU
@@ -21,7 +22,9 @@ from maester.models.build import build_model
 from maester.train.optim import build_optimizer
 
 CASES = {
-    "adamw (baseline)": dict(name="adamw"),
+    "adamw (baseline)": dict(name="adamw"),  # implementation auto: torch's fused kernel, on CPU too
+    "adamw, foreach": dict(name="adamw", implementation="foreach"),
+    "adamw, for-loop": dict(name="adamw", implementation="for-loop"),
     "muon, quintic, 5 steps": dict(name="muon"),
     "muon, polar express": dict(name="muon", muon={"coefficients": "polar_express"}),
     "muon, NorMuon": dict(name="muon", muon={"normuon": True}),

@@ -44,7 +44,7 @@ def test_optimizer_step_smoke():
                          env=clean_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [r[1].strip() for r in rows[1:]][0] == "adamw (baseline)" and len(rows) == 5
+    assert [r[1].strip() for r in rows[1:]][0] == "adamw (baseline)" and len(rows) == 7
     assert rows[1][3].strip() == "1.00x" and all(float(r[2]) > 0 for r in rows[1:])
 
 
