@@ -59,3 +59,23 @@ def test_rms_norm_equals_the_float32_formula(dtype):
     grad = torch.randn_like(got)
     torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0],
                                rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_rms_norm_and_kept_rope_tables_on_cuda():
+    """The GPU check's half: torch's fused rms_norm on CUDA against the float32 formula, and the kept RoPE tables
+    made on the forward's device."""
+    torch.manual_seed(0)
+    norm = RMSNorm(64).cuda()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(4, 5, 64, device="cuda")
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
+    rope = RotaryEmbedding(16, 10000.0).cuda()
+    rope.reset_parameters()
+    cos, sin = rope(None, torch.float32, 12, torch.device("cuda", torch.cuda.current_device()))
+    assert cos.is_cuda and sin.is_cuda
+    explicit = rope(torch.arange(12, device="cuda")[None], torch.float32)
+    torch.testing.assert_close(cos, explicit[0])
