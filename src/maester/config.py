@@ -187,16 +187,24 @@ class ScheduleConfig(Section):
 
 
 class ParallelConfig(Section):
-    """How the job is spread over ranks: world = dp_replicate x dp_shard x tp.
+    """How the job is spread over ranks: world = pp x dp_replicate x dp_shard x cp x tp.
 
     dp_shard > 1: FSDP2 (HSDP when dp_replicate > 1 too); dp_replicate > 1 alone: DDP; tp > 1: tensor and
-    sequence parallel with loss-parallel cross-entropy, combinable with FSDP/HSDP.
+    sequence parallel with loss-parallel cross-entropy, combinable with FSDP/HSDP. cp > 1: the sequence split over
+    ranks (context parallel); pp > 1: the layers split into pipeline stages; ep > 1: a mixture of experts' experts
+    split over ep of the dp_shard ranks (expert parallel, no ranks of its own).
     """
 
     dp_replicate: int = Field(1, ge=1)
     dp_shard: int = Field(-1, ge=-1)
     """-1: all remaining ranks."""
     tp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    """Context parallel degree: each rank of a cp group holds 1/cp of every sequence."""
+    pp: int = Field(1, ge=1)
+    """Pipeline parallel degree: the number of pipeline ranks the layers are split over."""
+    ep: int = Field(1, ge=1)
+    """Expert parallel degree (MoE models): divides dp_shard; the experts are split over ep ranks."""
     fsdp_reshard_after_forward: bool = True
     """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward)."""
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -41,3 +41,23 @@ def test_bad_layouts(world, overrides, message):
     with pytest.raises(ValueError) as info:
         dims(world, *overrides)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (4, ["--parallel.cp=2", "--data.seq_len=30"], "divisible by 2 x cp = 4"),
+    (2, ["--parallel.pp=2", "--model.overrides.n_layers=1"], "at least as many layers"),
+    (2, ["--parallel.ep=2"], "is a dense model"),
+    (4, ["--parallel.ep=3", "--model.name=olmoe"], "does not divide the model's moe.n_experts (8)"),
+    (2, ["--parallel.ep=4", "--model.name=olmoe"], "must divide parallel.dp_shard = 2"),
+])
+def test_impossible_cp_pp_ep_layouts(world, overrides, message):
+    with pytest.raises(ValueError) as info:
+        dims(world, *overrides)
+    assert message in str(info.value)
+
+
+def test_cp_and_pp_take_their_ranks_from_the_world():
+    d = dims(8, "--parallel.pp=2", "--parallel.cp=2", "--training.global_batch_size=8",
+             "--training.micro_batch_size=2")
+    assert (d.pp, d.cp, d.dp_shard, d.dp_size) == (2, 2, 2, 2)
+    assert d.fsdp_enabled  # the cp ranks shard the weights too

@@ -15,25 +15,33 @@ from maester.data.batch import BatchPlan
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """world = pp x dp_replicate x dp_shard x cp x tp; ep (expert parallel) divides dp_shard and has no ranks of its
+    own, as in torchtitan: the experts of a MoE layer are split over ep of the dp_shard ranks."""
+
     dp_replicate: int
     dp_shard: int
     tp: int
     world_size: int
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
         """Resolve `dp_shard = -1` and refuse layouts that cannot work, saying what to change."""
         p = cfg.parallel
-        fixed = p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard != -1 else 1)
+        others = p.pp * p.dp_replicate * p.cp * p.tp
+        fixed = others * (p.dp_shard if p.dp_shard != -1 else 1)
+        layout = (f"pp={p.pp} x dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x cp={p.cp} x tp={p.tp}"
+                  if p.pp > 1 or p.cp > 1 else
+                  f"dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp}")
         if world_size % fixed:
-            raise ValueError(f"parallel layout dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} "
-                             f"does not divide the {world_size} process(es): make the product of the degrees "
-                             f"{'divide' if p.dp_shard == -1 else 'equal'} the world size")
+            raise ValueError(f"parallel layout {layout} does not divide the {world_size} process(es): make the "
+                             f"product of the degrees {'divide' if p.dp_shard == -1 else 'equal'} the world size")
         shard = world_size // fixed if p.dp_shard == -1 else p.dp_shard
-        dims = cls(p.dp_replicate, shard, p.tp, world_size)
-        if dims.dp_replicate * dims.dp_shard * dims.tp != world_size:
-            raise ValueError(f"parallel layout dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} "
-                             f"= {dims.dp_replicate * dims.dp_shard * dims.tp} processes, but {world_size} "
+        dims = cls(p.dp_replicate, shard, p.tp, world_size, cp=p.cp, pp=p.pp, ep=p.ep)
+        if others * shard != world_size:
+            raise ValueError(f"parallel layout {layout} = {others * shard} processes, but {world_size} "
                              f"were launched: set parallel.dp_shard = -1 or launch that many")
         dims._check_model_and_batch(cfg)
         return dims
@@ -51,6 +59,23 @@ class ParallelDims:
             if self.dp_shard == 1 and self.dp_replicate > 1:
                 raise ValueError("DDP (dp_replicate > 1 with dp_shard = 1) cannot be combined with tp: "
                                  "use dp_shard (FSDP) or dp_replicate x dp_shard (HSDP) with tp")
+        if self.cp > 1 and cfg.data.seq_len % (2 * self.cp):
+            raise ValueError(f"parallel.cp = {self.cp} needs data.seq_len divisible by 2 x cp = {2 * self.cp} "
+                             f"(each rank takes two chunks, one early and one late, to even out the causal mask); "
+                             f"data.seq_len is {cfg.data.seq_len}: make it a multiple of {2 * self.cp}")
+        if self.pp > 1 and args.n_layers < self.pp:
+            raise ValueError(f"parallel.pp = {self.pp} pipeline stages need at least as many layers, but the model "
+                             f"has n_layers = {args.n_layers}: lower parallel.pp to at most {args.n_layers}")
+        if self.ep > 1:
+            if args.moe is None:
+                raise ValueError(f"parallel.ep = {self.ep} splits a mixture of experts' experts, but "
+                                 f"{cfg.model.name}/{cfg.model.flavor} is a dense model: set parallel.ep = 1")
+            if args.moe.n_experts % self.ep:
+                raise ValueError(f"parallel.ep = {self.ep} does not divide the model's moe.n_experts "
+                                 f"({args.moe.n_experts}): choose an ep that divides it")
+            if self.dp_shard % self.ep:
+                raise ValueError(f"parallel.ep = {self.ep} must divide parallel.dp_shard = {self.dp_shard} "
+                                 f"(expert parallel borrows dp_shard ranks): make dp_shard a multiple of ep")
         on_gpu = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
         if p.cpu_offload and not on_gpu:
             raise ValueError("parallel.cpu_offload moves FSDP shards from GPU to CPU memory; this run is on the CPU "
@@ -67,21 +92,32 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        return self.dp_shard > 1 or self.cp > 1
 
     @property
     def ddp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard == 1
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1
 
     @cached_property
     def mesh(self):
-        """3-D mesh (dp_replicate, dp_shard, tp), with "dp" = dp_replicate x dp_shard flattened for data and loss."""
+        """The mesh ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"), every dimension kept (size 1
+        where unused), with flattened views:
+        - "dp_shard" = dp_shard_mod_ep x ep: FSDP of the dense parameters without CP;
+        - "dp_shard_cp" = dp_shard x cp: FSDP of the dense parameters (the cp ranks hold the same weights);
+        - "dp" = dp_replicate x dp_shard: the data-parallel ranks, one batch each (the cp and tp ranks of one dp
+          rank read the same batch);
+        - "dp_cp" = dp x cp: where the step's label tokens and loss are summed.
+        Experts are split over "ep" and FSDP-sharded over "dp_shard_mod_ep"."""
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # "cpu:gloo,cuda:nccl" on GPUs
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh = init_device_mesh(device_type,
+                                (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"))
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+        mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("dp_cp")
         return mesh
 
     @property

@@ -27,7 +27,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
     if cfg.compile:
         apply_compile(model)
     if dims.fsdp_enabled:
-        mesh = dims.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else dims.mesh["dp_shard"]
+        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # the cp ranks of a dp rank hold the same weights
+        mesh = dims.mesh["dp_replicate", shard] if dims.dp_replicate > 1 else dims.mesh[shard]
         apply_fsdp(model, mesh, cfg, device, precision)
     elif dims.ddp_enabled:
         from torch.distributed._composable import replicate
