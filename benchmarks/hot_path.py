@@ -8,6 +8,10 @@
 
 Ops are grouped: matmul (aten::mm/addmm/bmm), attention (SDPA's kernels, forward and backward), and the rest
 (norms, RoPE, activations, residual adds, copies), the part a model's code decides.
+
+Then the bound: the matmuls' rate in the model (the profiler's FLOP count over their time) against this machine's
+GEMM rate on a 2048 x 2048 x 2048 product alone, and the fastest our forward + backward could be if "the rest" took
+no time at all, as a ratio to transformers' measured time.
 """
 
 from __future__ import annotations
@@ -63,9 +67,11 @@ def main() -> None:
         run_ours()
         run_peer()
     for name, run in (("transformers", run_peer), ("maester", run_ours)):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
             run()
         by_op[name] = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+        if name == "maester":
+            matmul_flops = sum(e.flops for e in prof.key_averages() if group_of(e.key) == "matmul")
     totals = {name: defaultdict(float) for name in by_op}
     for name, ops in by_op.items():
         for op, ms in ops.items():
@@ -83,6 +89,28 @@ def main() -> None:
     print("|---|---|---|")
     for op in rest[:args.top]:
         print(f"| `{op}` | {by_op['maester'].get(op, 0):.1f} | {by_op['transformers'].get(op, 0):.1f} |")
+    in_model = matmul_flops / totals["maester"]["matmul"] / 1e6
+    alone = gemm_rate(torch)
+    floor = matmul_flops / alone / 1e6 + totals["maester"]["attention"]
+    print()
+    print(f"matmul in our model: {matmul_flops / 1e9:.0f} GFLOP at {in_model:.0f} GFLOP/s; a 2048^3 GEMM alone: "
+          f"{alone:.0f} GFLOP/s ({in_model / alone:.0%})")
+    print(f"our time with every matmul at that rate and the rest at zero: {floor:.0f} ms = "
+          f"{floor / sum(totals['transformers'].values()):.2f}x transformers' measured time")
+
+
+def gemm_rate(torch, n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of one n x n x n float32 product, best of `repeats`, in CPU time of this thread."""
+    import time
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        a @ b
+        best = min(best, time.thread_time() - start)
+    return 2 * n ** 3 / best / 1e9
 
 
 if __name__ == "__main__":
