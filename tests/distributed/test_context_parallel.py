@@ -23,13 +23,14 @@ BASE = dict(training__steps=STEPS, training__global_batch_size=8, training__micr
 DATA = {
     "plain": {},
     "documents": {"data__document_masking": "true"},
-    "sft": {"data__mode": "sft", "data__seq_len": 512, "logging__eval_interval": STEPS},
+    "sft": {"data__mode": "sft", "data__seq_len": 256, "logging__eval_interval": STEPS},
 }
 LAYOUTS = {  # name: (processes, data, overrides)
     "cp2": (2, "plain", {"parallel__cp": 2}),
-    "cp2_documents": (2, "documents", {"parallel__cp": 2}),
+    "cp2_sft": (2, "sft", {"parallel__cp": 2}),
     "cp2_fsdp2": (4, "plain", {"parallel__cp": 2}),
-    "cp2_fsdp2_sft": (4, "sft", {"parallel__cp": 2}),
+    "cp2_fsdp2_documents": (4, "documents", {"parallel__cp": 2}),
+    "cp2_tp2_documents": (4, "documents", {"parallel__cp": 2, "parallel__tp": 2}),
 }
 
 
@@ -71,8 +72,8 @@ def test_context_parallel_matches_one_process(references, layout):
     # The step's token and label counts are the whole step's, not one cp rank's.
     for key in ("label_tokens_per_step", "tokens_seen"):
         assert [r[key] for r in got] == [r[key] for r in want], key
-    if data == "sft":  # packed rows, several conversations each; validation sums over dp x cp too
-        assert all(r["documents_per_step"] >= 16 for r in got)
+    if data == "sft":  # packed rows (more conversations than rows); validation sums over dp x cp too
+        assert all(r["documents_per_step"] > 8 for r in got)
         assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=1e-5)
     if data == "documents":  # the masks change the run: CP cannot match it by ignoring them
         assert [r["loss"] for r in want] != pytest.approx([r["loss"] for r in expected["plain"]], rel=1e-4)

@@ -72,11 +72,10 @@ def gather_keys_and_values(k: torch.Tensor, v: torch.Tensor, group_size: int,
 
 class ContextParallel:
     """This rank's part of every sequence (`token_indices`, `shard`) and the attention across the cp group
-    (`split`, for `layers.attention_mask`)."""
+    (`split`, for `layers.attention_mask`): `size` ranks, this one `rank`, their process group `group_name`."""
 
-    def __init__(self, cp_mesh):
-        self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
-        self.group_name = cp_mesh.get_group().group_name
+    def __init__(self, size: int, rank: int, group_name: str):
+        self.size, self.rank, self.group_name = size, rank, group_name
         self._indices: dict = {}
 
     def token_indices(self, seq: int, device: torch.device, rank: int | None = None) -> torch.Tensor:
@@ -119,7 +118,8 @@ class ContextParallel:
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     """Make the model's attention span the cp group: its forward then takes this rank's tokens
     (`ContextParallel.shard`) and builds its masks with `ContextParallel.split`."""
-    model.context_parallel = ContextParallel(cp_mesh)
+    model.context_parallel = ContextParallel(cp_mesh.size(), cp_mesh.get_local_rank(),
+                                             cp_mesh.get_group().group_name)
 
 
 def context_parallel_of(model: nn.Module) -> ContextParallel | None:

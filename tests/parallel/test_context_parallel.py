@@ -1,0 +1,55 @@
+"""Context parallel's split of a sequence and its masks, in one process (the collectives are exercised by
+tests/distributed/test_context_parallel.py), and the layouts it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from maester.data.batch import make_batch
+from maester.models.layers import ContextSplit, document_causal_mask
+from maester.parallel.context_parallel import ContextParallel
+from tests.parallel.test_dims import dims
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ranks_hold_every_token_once_with_equal_causal_work(cp):
+    seq = 8 * cp
+    ranks = [ContextParallel(cp, r, "unused") for r in range(cp)]
+    held = [rank.token_indices(seq, torch.device("cpu")) for rank in ranks]
+    assert sorted(torch.cat(held).tolist()) == list(range(seq))
+    chunk = seq // (2 * cp)
+    assert held[0][:chunk].tolist() == list(range(chunk))  # rank 0: the first chunk and the last
+    assert held[0][chunk:].tolist() == list(range(seq - chunk, seq))
+    # Load balance: every rank's queries see as many keys under the causal mask.
+    assert len({int((idx + 1).sum()) for idx in held}) == 1
+
+
+def test_shard_and_split_masks_are_rows_of_the_whole_mask():
+    cp, seq = 2, 16
+    rows = torch.randint(1, 9, (2, seq + 1))
+    rows[:, 5] = 0  # an EOS: two documents in each row
+    whole = make_batch(rows, document_masking=True, eos_id=0)
+    assert whole.document_ids.max() == 1
+    full_mask = document_causal_mask(whole.document_ids, seq, torch.device("cpu"), window=5)
+    keys = torch.cat([ContextParallel(cp, r, "unused").token_indices(seq, torch.device("cpu")) for r in range(cp)])
+    for r in range(cp):
+        rank = ContextParallel(cp, r, "unused")
+        idx = rank.token_indices(seq, torch.device("cpu"))
+        part = rank.shard(whole)
+        for name in ("input_ids", "labels", "position_ids", "document_ids"):
+            assert torch.equal(getattr(part, name), getattr(whole, name)[:, idx]), name
+        split = ContextSplit(idx, keys, whole.document_ids[:, keys], None)
+        mask = document_causal_mask(part.document_ids, seq // cp, torch.device("cpu"), 5, split)
+        assert torch.equal(mask, full_mask[:, :, idx][..., keys])
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (2, ["--parallel.cp=2", "--model.name=olmoe", "--training.global_batch_size=2", "--training.micro_batch_size=1"],
+     "with a mixture of experts"),
+    (2, ["--parallel.cp=2", "--model.attention=varlen"], "cannot use model.attention = 'varlen'"),
+])
+def test_refused_with_context_parallel(world, overrides, message):
+    with pytest.raises(ValueError) as info:
+        dims(world, *overrides)
+    assert message in str(info.value)
