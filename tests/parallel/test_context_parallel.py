@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from maester.data.batch import make_batch
-from maester.models.layers import ContextSplit, document_causal_mask
+from maester.models.layers import ContextSplit, attend, attention_mask, document_causal_mask
 from maester.parallel.context_parallel import ContextParallel
 from tests.parallel.test_dims import dims
 
@@ -42,6 +42,27 @@ def test_shard_and_split_masks_are_rows_of_the_whole_mask():
         split = ContextSplit(idx, keys, whole.document_ids[:, keys], None)
         mask = document_causal_mask(part.document_ids, seq // cp, torch.device("cpu"), 5, split)
         assert torch.equal(mask, full_mask[:, :, idx][..., keys])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU, by design
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_ranks_attention_is_its_rows_of_the_whole_attention(backend, window):
+    """This rank's queries over every rank's keys (given whole here: one process holds them), with its mask for
+    the backend (flex forward only: CPU has no flex backward), equal the whole sequence's attention at its rows."""
+    cp, seq, cpu = 2, 32, torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, seq, 8, generator=gen) for heads in (4, 2, 2))
+    documents = torch.cat([torch.zeros(2, 11), torch.ones(2, 15), torch.full((2, 6), -1)], 1).long()  # -1: padding
+    expected = attend(q, k, v, attention_mask("sdpa", documents, 2, seq, cpu, False, window))
+    keys = torch.cat([ContextParallel(cp, r, "unused").token_indices(seq, cpu) for r in range(cp)])
+    for r in range(cp):
+        idx = ContextParallel(cp, r, "unused").token_indices(seq, cpu)
+        split = ContextSplit(idx, keys, documents[:, keys], None)
+        mask = attention_mask(backend, documents[:, idx], 2, seq // cp, cpu, False, window, split=split)
+        assert mask.backend == backend
+        got = attend(q[:, :, idx], k[:, :, keys], v[:, :, keys], mask)
+        torch.testing.assert_close(got, expected[:, idx], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("world, overrides, message", [
