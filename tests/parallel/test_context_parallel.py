@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from maester.config import load_config
 from maester.data.batch import make_batch
 from maester.models.layers import ContextSplit, attend, attention_mask, document_causal_mask
 from maester.parallel.context_parallel import ContextParallel
+from maester.parallel.dims import ParallelDims
+from tests.helpers import REPO
 from tests.parallel.test_dims import dims
+
+LONG_CONTEXT = REPO / "configs" / "llama3" / "8b-sft-long-context.toml"
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -74,3 +79,19 @@ def test_refused_with_context_parallel(world, overrides, message):
     with pytest.raises(ValueError) as info:
         dims(world, *overrides)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("world", [8, 16, 32, 64])
+def test_long_context_sft_config_lays_out_on_8_to_64_gpus(world):
+    cfg = load_config(LONG_CONTEXT, environ={})
+    d = ParallelDims.from_config(cfg, world)
+    assert (d.cp, d.dp_shard, d.tp, d.dp_size) == (8, world // 8, 1, world // 8) and d.fsdp_enabled
+    assert d.batch_plan(cfg, dp_rank=0).accumulation_steps == 8 // d.dp_size
+    assert cfg.data.mode == "sft" and cfg.data.seq_len == 65536 <= cfg.model.architecture().max_seq_len
+    assert cfg.parallel.activation_checkpointing == "selective-op"
+    assert cfg.data.seq_len // (2 * d.cp) % 128 == 0  # whole FlexAttention blocks per chunk
+
+
+def test_long_context_sft_config_refuses_fewer_gpus_than_cp():
+    with pytest.raises(ValueError, match="does not divide the 4 process"):
+        ParallelDims.from_config(load_config(LONG_CONTEXT, environ={}), 4)
