@@ -341,11 +341,12 @@ def document_block_mask(document_ids: torch.Tensor | None, batch: int, seq: int,
     """FlexAttention BlockMask: causal, within one document when `document_ids` are given, and within the
     sliding `window` when given. With `split` (context parallel): this rank's `seq` queries over every rank's
     keys, compared by their indices in the sequence."""
+    # Tensors only in the closure: compiled create_block_mask then reuses its graph for the next forward's.
     keys = document_ids if split is None else split.key_document_ids
+    q_positions, k_positions = (None, None) if split is None else (split.query_positions, split.key_positions)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_pos, k_pos = (q_idx, kv_idx) if split is None else \
-            (split.query_positions[q_idx], split.key_positions[kv_idx])
+        q_pos, k_pos = (q_idx, kv_idx) if q_positions is None else (q_positions[q_idx], k_positions[kv_idx])
         keep = _causal(b, h, q_pos, k_pos)
         if window is not None:
             keep = keep & (q_pos - k_pos < window)
