@@ -28,7 +28,7 @@ DATA = {
 LAYOUTS = {  # name: (processes, data, overrides)
     "cp2": (2, "plain", {"parallel__cp": 2}),
     "cp2_sft": (2, "sft", {"parallel__cp": 2}),
-    "cp2_fsdp2": (4, "plain", {"parallel__cp": 2}),
+    "cp2_fsdp2": (4, "plain", {"parallel__cp": 2, "checkpoint__interval": 3}),
     "cp2_fsdp2_documents": (4, "documents", {"parallel__cp": 2}),
     "cp2_tp2_documents": (4, "documents", {"parallel__cp": 2, "parallel__tp": 2}),
 }
@@ -77,3 +77,10 @@ def test_context_parallel_matches_one_process(references, layout):
         assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=1e-5)
     if data == "documents":  # the masks change the run: CP cannot match it by ignoring them
         assert [r["loss"] for r in want] != pytest.approx([r["loss"] for r in expected["plain"]], rel=1e-4)
+    if "checkpoint__interval" in extra:  # its step-3 checkpoint resumes on one process, on the same curve
+        job = root / "jobs" / layout
+        cfg = load_config(job / "config.json", ["--parallel.cp=1"], environ={})
+        trainer = Trainer(cfg, job)
+        assert trainer.step == 3
+        trainer.train()
+        assert [r["loss"] for r in records(job)] == pytest.approx([r["loss"] for r in want], rel=1e-5)
