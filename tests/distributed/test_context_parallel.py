@@ -3,7 +3,7 @@ with gloo, each job from a fresh init (sharded CPU init copies one process's), l
 
 One reference run per kind of data (plain pretraining, pretraining with document masks, packed SFT with
 validation), shared by the layouts that use it; the cp2 x fsdp2 job's step-3 checkpoint also resumes on one
-process. Five launches: about 180 s of CPU time in all (of two cores: under two minutes when idle).
+process. Five launches: about 180 s of CPU time in all.
 """
 
 from __future__ import annotations
