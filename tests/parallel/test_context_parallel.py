@@ -49,25 +49,41 @@ def test_shard_and_split_masks_are_rows_of_the_whole_mask():
         assert torch.equal(mask, full_mask[:, :, idx][..., keys])
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA device")])
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on CPU, by design
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_a_ranks_attention_is_its_rows_of_the_whole_attention(backend, window):
-    """This rank's queries over every rank's keys (given whole here: one process holds them), with its mask for
-    the backend (flex forward only: CPU has no flex backward), equal the whole sequence's attention at its rows."""
-    cp, seq, cpu = 2, 32, torch.device("cpu")
+def test_a_ranks_attention_is_its_rows_of_the_whole_attention(backend, window, device):
+    """Each rank's queries over every rank's keys (given whole here: one process holds them), with its mask for
+    the backend, equal the whole sequence's attention at its rows; and the ranks' gradients, the keys' summed over
+    the ranks (what the gather's reduce-scatter does), equal the whole attention's. CPU has no flex backward:
+    there flex is checked forward only."""
+    cp, seq, device = 2, 256, torch.device(device)
+    trains = backend == "sdpa" or device.type == "cuda"
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, heads, seq, 8, generator=gen) for heads in (4, 2, 2))
-    documents = torch.cat([torch.zeros(2, 11), torch.ones(2, 15), torch.full((2, 6), -1)], 1).long()  # -1: padding
-    expected = attend(q, k, v, attention_mask("sdpa", documents, 2, seq, cpu, False, window))
-    keys = torch.cat([ContextParallel(cp, r, "unused").token_indices(seq, cpu) for r in range(cp)])
+    q, k, v = (torch.randn(2, heads, seq, 16, generator=gen).to(device).requires_grad_(trains) for heads in (4, 2, 2))
+    weights = torch.randn(2, seq, 4, 16, generator=gen).to(device)
+    documents = torch.cat([torch.zeros(2, 100), torch.ones(2, 130), torch.full((2, 26), -1)], 1).long().to(device)
+    expected = attend(q, k, v, attention_mask("sdpa", documents, 2, seq, device, trains, window))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v)) if trains else None
+    keys = torch.cat([ContextParallel(cp, r, "unused").token_indices(seq, device) for r in range(cp)])
+    total = 0
     for r in range(cp):
-        idx = ContextParallel(cp, r, "unused").token_indices(seq, cpu)
+        idx = ContextParallel(cp, r, "unused").token_indices(seq, device)
         split = ContextSplit(idx, keys, documents[:, keys], None)
-        mask = attention_mask(backend, documents[:, idx], 2, seq // cp, cpu, False, window, split=split)
+        mask = attention_mask(backend, documents[:, idx], 2, seq // cp, device, trains, window, split=split)
         assert mask.backend == backend
         got = attend(q[:, :, idx], k[:, :, keys], v[:, :, keys], mask)
-        torch.testing.assert_close(got, expected[:, idx], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, expected[:, idx], rtol=0, atol=1e-5 if device.type == "cpu" else 2e-4)
+        total = total + (got * weights[:, idx]).sum()
+    if trains:
+        for name, got, want in zip("qkv", torch.autograd.grad(total, (q, k, v)), expected_grads):
+            err = (got - want).norm() / want.norm()
+            assert err < (1e-5 if device.type == "cpu" else 2e-3), f"gradient of {name} differs by {err:.2e}"
 
 
 @pytest.mark.parametrize("world, overrides, message", [
