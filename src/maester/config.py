@@ -200,7 +200,8 @@ class ParallelConfig(Section):
     """-1: all remaining ranks."""
     tp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
-    """Context parallel degree: each rank of a cp group holds 1/cp of every sequence."""
+    """Context parallel degree: each rank of a cp group holds 1/cp of every sequence (two of 2 x cp chunks, so
+    data.seq_len must be a multiple of 2 x cp) and attends over all of it (docs/context-parallel.md)."""
     pp: int = Field(1, ge=1)
     """Pipeline parallel degree: the number of pipeline ranks the layers are split over."""
     ep: int = Field(1, ge=1)

@@ -126,14 +126,30 @@ def causal_window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | N
 
 
 def document_causal_mask(document_ids: torch.Tensor | None, seq: int, device: torch.device,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None, split: "ContextSplit | None" = None) -> torch.Tensor:
     """(batch, 1, seq, seq) boolean mask: causal, within one document of `document_ids` (batch, seq) when
-    given, and within the sliding `window` when given."""
+    given, and within the sliding `window` when given. With `split` (context parallel): (batch, 1, seq, keys)
+    for this rank's `seq` queries over every rank's keys."""
     pos = torch.arange(seq, device=device)
-    mask = causal_window_mask(pos, pos, window)[None]
+    q_pos, k_pos = (pos, pos) if split is None else (split.query_positions, split.key_positions)
+    mask = causal_window_mask(q_pos, k_pos, window)[None]
     if document_ids is not None:
-        mask = mask & (document_ids[:, :, None] == document_ids[:, None, :])
+        keys = document_ids if split is None else split.key_document_ids
+        mask = mask & (document_ids[:, :, None] == keys[:, None, :])
     return mask.unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """A forward's share of each sequence under context parallel (`maester.parallel.context_parallel`): the
+    indices in the sequence of this rank's queries and of the keys they attend to (every rank's, in the order
+    `gather_kv` returns them), the keys' document ids (None without documents), and `gather_kv`, which maps this
+    rank's keys and values to every rank's."""
+
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    key_document_ids: torch.Tensor | None
+    gather_kv: Any
 
 
 # ---------------------------------------------------------------- attention backends
@@ -222,17 +238,41 @@ class AttentionMask:
     max_len: int = 0
     cast_dtype: torch.dtype | None = None  # the autocast dtype q, k and v are cast to; None: no autocast
     sdpa_backends: tuple | None = None  # SDPA's backend order (`sdpa_priority`); None: torch's default
+    gather_kv: Any = None  # context parallel: (k, v) -> every cp rank's k and v (`ContextSplit`); None: local
 
 
 def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
                    device: torch.device, needs_grad: bool, window: int | None = None,
-                   offsets: torch.Tensor | None = None, softcap: bool = False) -> AttentionMask:
-    """See `_attention_mask`; also records, outside any compiled block, the autocast dtype and SDPA's backend
-    order for `attend`."""
-    mask = _attention_mask(choice, document_ids, batch, seq, device, needs_grad, window, offsets, softcap)
+                   offsets: torch.Tensor | None = None, softcap: bool = False,
+                   split: ContextSplit | None = None) -> AttentionMask:
+    """See `_attention_mask` (and `context_parallel_mask` with `split`); also records, outside any compiled
+    block, the autocast dtype and SDPA's backend order for `attend`."""
+    if split is None:
+        mask = _attention_mask(choice, document_ids, batch, seq, device, needs_grad, window, offsets, softcap)
+    else:
+        mask = context_parallel_mask(choice, document_ids, batch, seq, device, needs_grad, window, softcap, split)
     priority = sdpa_priority(device) if mask.backend == "sdpa" else None
     return dataclasses.replace(mask, cast_dtype=_autocast_dtype(device),
                                sdpa_backends=tuple(priority) if priority else None)
+
+
+def context_parallel_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
+                          device: torch.device, needs_grad: bool, window: int | None, softcap: bool,
+                          split: ContextSplit) -> AttentionMask:
+    """`_attention_mask` for this rank's `seq` queries over every cp rank's keys (`split`): always masked (the
+    keys are not the queries), so `auto` gives flex on CUDA; varlen, whose documents cannot span ranks, is
+    refused."""
+    backend = resolve_attention(choice, device, True, window, None, softcap)
+    if backend == "varlen":
+        raise ValueError("model.attention = 'varlen' cannot run under context parallel (parallel.cp > 1): its "
+                         "documents would span ranks; use 'auto', 'flex' (CUDA) or 'sdpa'")
+    if backend == "flex":
+        _check_flex_trains(device, needs_grad)
+        mask = AttentionMask("flex", window, block_mask=document_block_mask(document_ids, batch, seq, device,
+                                                                             window, split))
+    else:
+        mask = AttentionMask(backend, window, dense=document_causal_mask(document_ids, seq, device, window, split))
+    return dataclasses.replace(mask, gather_kv=split.gather_kv)
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -256,10 +296,7 @@ def _attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, 
         return AttentionMask(backend, window, dense=None if plain else
                              document_causal_mask(document_ids, seq, device, window))
     if backend == "flex":
-        if device.type == "cpu" and needs_grad:
-            raise ValueError(f"model.attention = 'flex': FlexAttention has no backward on CPU (torch "
-                             f"{torch.__version__}; the forward runs, e.g. under torch.no_grad()): use 'sdpa' "
-                             f"or 'auto' to train on CPU")
+        _check_flex_trains(device, needs_grad)
         return AttentionMask("flex", window, block_mask=document_block_mask(document_ids, batch, seq, device, window))
     if device.type != "cuda":
         raise ValueError(f"model.attention = 'varlen' needs a CUDA device (torch's varlen_attn runs Flash or "
@@ -273,6 +310,13 @@ def _attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, 
     # One compiled graph for every number of documents, not one per count.
     torch._dynamo.maybe_mark_dynamic(offsets, 0)
     return AttentionMask("varlen", window, cu_seqlens=offsets.to(device=device, dtype=torch.int32), max_len=seq)
+
+
+def _check_flex_trains(device: torch.device, needs_grad: bool) -> None:
+    if device.type == "cpu" and needs_grad:
+        raise ValueError(f"model.attention = 'flex': FlexAttention has no backward on CPU (torch "
+                         f"{torch.__version__}; the forward runs, e.g. under torch.no_grad()): use 'sdpa' "
+                         f"or 'auto' to train on CPU")
 
 
 def cached_attention_mask(start: int, seq: int, device: torch.device, window: int | None,
@@ -293,18 +337,26 @@ def _causal(b, h, q_idx, kv_idx):
 
 
 def document_block_mask(document_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device,
-                        window: int | None = None):
+                        window: int | None = None, split: ContextSplit | None = None):
     """FlexAttention BlockMask: causal, within one document when `document_ids` are given, and within the
-    sliding `window` when given."""
+    sliding `window` when given. With `split` (context parallel): this rank's `seq` queries over every rank's
+    keys, compared by their indices in the sequence."""
+    # Tensors only in the closure: compiled create_block_mask then reuses its graph for the next forward's.
+    keys = document_ids if split is None else split.key_document_ids
+    q_positions, k_positions = (None, None) if split is None else (split.query_positions, split.key_positions)
+
     def mask_mod(b, h, q_idx, kv_idx):
-        keep = _causal(b, h, q_idx, kv_idx)
+        q_pos, k_pos = (q_idx, kv_idx) if q_positions is None else (q_positions[q_idx], k_positions[kv_idx])
+        keep = _causal(b, h, q_pos, k_pos)
         if window is not None:
-            keep = keep & (q_idx - kv_idx < window)
+            keep = keep & (q_pos - k_pos < window)
         if document_ids is not None:
-            keep = keep & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+            keep = keep & (document_ids[b, q_idx] == keys[b, kv_idx])
         return keep
 
-    return _flex(device)[1](mask_mod, batch if document_ids is not None else None, None, seq, seq, device=device)
+    kv_len = seq if split is None else split.key_positions.numel()
+    return _flex(device)[1](mask_mod, batch if document_ids is not None else None, None, seq, kv_len,
+                            device=device)
 
 
 def document_offsets(document_ids: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -365,6 +417,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     if softcap is not None and mask.backend not in ("flex", "eager"):
         raise ValueError(f"attention scores soft-capped at {softcap}, but the mask is for {mask.backend!r}, which "
                          f"cannot cap them: build it with softcap=True")
+    if mask.gather_kv is not None:
+        k, v = mask.gather_kv(k, v)
     if mask.backend == "eager":
         return eager_attention(q, k, v, mask.dense, scale, softcap)
     if mask.backend == "sdpa":

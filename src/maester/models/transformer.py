@@ -110,6 +110,9 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.layer_windows = [args.layer_window(i) for i in range(args.n_layers)]
         self.layer_ropes = [args.layer_rope(i) for i in range(args.n_layers)]
+        # Context parallel, set from outside (`maester.parallel.context_parallel`): the forward takes this rank's
+        # tokens of each sequence and its attention spans every rank's keys.
+        self.context_parallel = None
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -189,6 +192,11 @@ class Transformer(nn.Module):
         needs_grad = torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad
         masks = {}
         softcap = self.args.attn_logit_softcap is not None
+        split = None if self.context_parallel is None or cache is not None else \
+            self.context_parallel.split(document_ids, seq, device)
+        if split is not None and position_ids is None:
+            raise ValueError("under context parallel the forward takes this rank's tokens, not positions "
+                             "0..seq-1: pass their position_ids")
         if attention_mask is not None:
             if cache is None:
                 raise ValueError("attention_mask marks the padding of a batch decoded with a KV cache: pass cache")
@@ -200,7 +208,7 @@ class Transformer(nn.Module):
                 masks[window] = cached_attention_mask(start, seq, device, window, cache.padding, softcap)
             else:
                 masks[window] = document_attention_mask(self.args.attention, document_ids, bsz, seq, device,
-                                                        needs_grad, window, document_offsets, softcap)
+                                                        needs_grad, window, document_offsets, softcap, split)
         for i, block in enumerate(self.layers.values()):
             cos, sin = ropes[self.layer_ropes[i]]
             if cache is None:

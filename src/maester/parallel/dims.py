@@ -63,6 +63,13 @@ class ParallelDims:
             raise ValueError(f"parallel.cp = {self.cp} needs data.seq_len divisible by 2 x cp = {2 * self.cp} "
                              f"(each rank takes two chunks, one early and one late, to even out the causal mask); "
                              f"data.seq_len is {cfg.data.seq_len}: make it a multiple of {2 * self.cp}")
+        if self.cp > 1 and args.moe is not None:
+            raise ValueError(f"parallel.cp = {self.cp} with a mixture of experts ({cfg.model.name}/"
+                             f"{cfg.model.flavor}) is not supported: its load-balancing loss and expert bias "
+                             f"would see one cp rank's tokens only; set parallel.cp = 1")
+        if self.cp > 1 and args.attention == "varlen":
+            raise ValueError(f"parallel.cp = {self.cp} cannot use model.attention = 'varlen' (its documents would "
+                             f"span ranks): use 'auto', 'flex' or 'sdpa'")
         if self.pp > 1 and args.n_layers < self.pp:
             raise ValueError(f"parallel.pp = {self.pp} pipeline stages need at least as many layers, but the model "
                              f"has n_layers = {args.n_layers}: lower parallel.pp to at most {args.n_layers}")

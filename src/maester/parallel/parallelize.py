@@ -1,4 +1,4 @@
-"""Apply a parallel layout to a single-device model, in one fixed order:
+"""Apply a parallel layout to a single-device model, in one fixed order: context parallel ->
 tensor/sequence parallel -> activation checkpointing -> per-block compile -> FSDP2 per block, then root (or DDP).
 
 Everything here is plain torch.distributed: DTensor `parallelize_module`, `checkpoint_wrapper`, `fully_shard`,
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from maester.config import ParallelConfig
+from maester.parallel.context_parallel import apply_context_parallel
 from maester.parallel.dims import ParallelDims
 from maester.parallel.precision import DTYPES, Precision, resolve_precision
 
@@ -20,6 +21,8 @@ from maester.parallel.precision import DTYPES, Precision, resolve_precision
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, device: torch.device,
                 precision: Precision | None = None) -> nn.Module:
     """`precision`: the run's (`maester.parallel.precision`); None: `training.precision = "auto"`."""
+    if dims.cp > 1:
+        apply_context_parallel(model, dims.mesh["cp"])
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"])
     if cfg.activation_checkpointing != "none":

@@ -21,6 +21,7 @@ from maester.data.loader import build_loader
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
+from maester.parallel.context_parallel import context_parallel_of
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout, set_cpu_threads
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
@@ -121,10 +122,13 @@ class Trainer:
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+        # Context parallel: each cp rank holds a share of its dp rank's loss; the loss sums over dp x cp.
+        self.context_parallel = context_parallel_of(self.model)
+        self.loss_group = self.dims.mesh["dp_cp"].get_group() if self.dims.cp > 1 else self.dp_group
         # Flags for the optimizer live with the parameters: on the CPU under parallel.cpu_offload.
         param_device = next(iter(self.model.parameters())).device
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
-                                        param_device, self.dp_group)
+                                        param_device, self.loss_group)
 
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
                                    batch=self.dims.batch_plan(cfg), group=self.dp_group)
@@ -133,10 +137,11 @@ class Trainer:
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
         self._validation = None
         self._resume_or_initialise()
-        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d x tp %d; "
-                 "%d accumulation step(s) of %d sequence(s) x %d tokens per rank; device %s",
+        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d x cp %d x tp %d; "
+                 "%d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
                  cfg.model.name, cfg.model.flavor, f"{count_parameters(self.model):,}", self.world_size,
-                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.tp, self.loader.batch.accumulation_steps,
+                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.cp, self.dims.tp,
+                 self.loader.batch.accumulation_steps,
                  self.loader.batch.micro_batch, cfg.data.seq_len, self.device)
 
     def _resume_or_initialise(self) -> None:
@@ -323,8 +328,8 @@ class Trainer:
     def _log(self, run: _Run, loss: torch.Tensor, grad_norm: torch.Tensor, lr_mult: float) -> float:
         """The metrics record of the window that ends at this step (collectives: every rank calls it); written by
         rank 0. Returns the step's loss, the only host read of the step."""
-        if self.dp_group is not None:  # each rank holds its share of the step's loss
-            dist.all_reduce(loss, group=self.dp_group)
+        if self.loss_group is not None:  # each rank holds its share of the step's loss
+            dist.all_reduce(loss, group=self.loss_group)
         loss_value = loss.item()
         skipped = self.nonfinite.check()
         window = run.window
@@ -387,15 +392,16 @@ class Trainer:
         """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step
         over all data-parallel ranks, so neither the micro-batch split nor the number of ranks changes it.
 
-        FSDP and DDP average gradients over the data-parallel ranks; the backward loss is scaled by their number
-        to turn that average into the sum the normalisation needs. `labels`: this rank's label tokens in the step,
-        a tensor on the device counted with the step's other statistics (no host read).
+        FSDP and DDP average gradients over the data-parallel ranks (FSDP over the cp ranks too); the backward loss
+        is scaled by their number to turn that average into the sum the normalisation needs. `labels`: this dp
+        rank's label tokens in the step, a tensor on the device counted with the step's other statistics (no host
+        read). Under context parallel each rank takes its own tokens of every micro-batch.
         """
         n_labels = labels.to(torch.int64)
         if self.dp_group is not None:
             dist.all_reduce(n_labels, group=self.dp_group)
         n_labels = n_labels.clamp(min=1)
-        scale = self.dims.dp_size if (self.dims.fsdp_enabled or self.dims.ddp_enabled) else 1
+        scale = self.dims.dp_size * self.dims.cp if (self.dims.fsdp_enabled or self.dims.ddp_enabled) else 1
         if self.scaler is not None:
             scale = self.scaler.scale * scale
         total = torch.zeros((), device=self.device)
@@ -405,6 +411,8 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             if self.dims.ddp_enabled:  # DDP all-reduces the gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            if self.context_parallel is not None:
+                batch = self.context_parallel.shard(batch)
             with self._loss_context(), autocast(self.precision, self.device), anomaly:
                 loss = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
                                   labels=batch.labels, document_offsets=batch.document_offsets) / n_labels
@@ -440,14 +448,16 @@ class Trainer:
         for i, batches in enumerate(self._validation.values()):
             for batch in batches:
                 batch = batch.to(self.device)
+                if self.context_parallel is not None:
+                    batch = self.context_parallel.shard(batch)
                 with self._loss_context(), autocast(self.precision, self.device):
                     loss_sum = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
                                           labels=batch.labels, document_offsets=batch.document_offsets)
                     totals[i, 0] += full_value(loss_sum.detach())
                 totals[i, 1] += (batch.labels != IGNORE_INDEX).sum()
         self.model.train()
-        if self.dp_group is not None:
-            dist.all_reduce(totals, group=self.dp_group)
+        if self.loss_group is not None:
+            dist.all_reduce(totals, group=self.loss_group)
         rows = totals.tolist()
 
         def loss_and_perplexity(loss_sum: float, labels: float) -> tuple[float, float]:
