@@ -76,6 +76,11 @@ class ParallelDims:
             if self.dp_shard % self.ep:
                 raise ValueError(f"parallel.ep = {self.ep} must divide parallel.dp_shard = {self.dp_shard} "
                                  f"(expert parallel borrows dp_shard ranks): make dp_shard a multiple of ep")
+            for other in ("tp", "cp", "pp"):
+                if getattr(self, other) > 1:
+                    raise ValueError(f"parallel.ep = {self.ep} with parallel.{other} = {getattr(self, other)} is not "
+                                     f"supported yet: set parallel.{other} = 1, or parallel.ep = 1 "
+                                     + ("(tp alone splits the experts' hidden units)" if other == "tp" else ""))
         on_gpu = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
         if p.cpu_offload and not on_gpu:
             raise ValueError("parallel.cpu_offload moves FSDP shards from GPU to CPU memory; this run is on the CPU "
