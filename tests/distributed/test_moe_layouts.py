@@ -22,12 +22,14 @@ from tests.helpers import DEMO_CONFIG, REPO, clean_env, run_maester, tiny_overri
 STEPS = 5
 BASE = dict(model__name="olmoe", training__steps=STEPS, training__global_batch_size=8,
             training__micro_batch_size=2, checkpoint__interval=0, checkpoint__save_final="false",
-            schedule__warmup_steps=1, model__overrides='{"moe": {"z_loss_coef": 0.001}}')
+            schedule__warmup_steps=1,
+            model__overrides='{"moe": {"z_loss_coef": 0.001, "bias_balancing": 0.001}}')
 
 LAYOUTS = {
     # ep 2 over dp_shard 2: the experts split, dense weights FSDP; checkpoints at step 3 for the resume test
     "ep2": (2, {"parallel__ep": 2, "checkpoint__interval": 3}),
     "ep2_fsdp4": (4, {"parallel__ep": 2}),  # experts FSDP-sharded over dp_shard / ep = 2 as well
+    "ep2_hsdp2x2": (4, {"parallel__ep": 2, "parallel__dp_replicate": 2}),  # experts replicated over 2 groups
     "tp2": (2, {"parallel__tp": 2, "parallel__dp_shard": 1}),
 }
 

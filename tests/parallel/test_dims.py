@@ -49,6 +49,7 @@ def test_bad_layouts(world, overrides, message):
     (2, ["--parallel.ep=2"], "is a dense model"),
     (4, ["--parallel.ep=3", "--model.name=olmoe"], "does not divide the model's moe.n_experts (8)"),
     (2, ["--parallel.ep=4", "--model.name=olmoe"], "must divide parallel.dp_shard = 2"),
+    (4, ["--parallel.ep=2", "--parallel.tp=2", "--model.name=olmoe"], "parallel.ep = 2 with parallel.tp = 2 is not"),
 ])
 def test_impossible_cp_pp_ep_layouts(world, overrides, message):
     with pytest.raises(ValueError) as info:

@@ -250,8 +250,10 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device
         for moe in moe_layers_of(block) if experts_mesh is not None else ():
             fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": experts_mesh})
             moe.experts.set_gradient_divide_factor(float(experts_divide))
-            if experts_mesh.size() > 1:  # divide after a sum, as gloo has no PREMUL_SUM; on one rank FSDP divides
-                moe.experts.set_force_sum_reduction_for_comms(True)  # itself and forcing would divide twice
+            # Divide after a sum (gloo has no PREMUL_SUM), unless the experts are not sharded (one rank on the
+            # last dim): there FSDP divides in its copy, and forcing would divide a second time.
+            if experts_mesh.size(experts_mesh.ndim - 1) > 1:
+                moe.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root (embeddings, final norm, output) keeps FSDP2's default, None: not resharded after forward, since
     # backward needs the output layer first; an explicit True would all-gather it again in every backward.
