@@ -81,6 +81,9 @@ class ParallelDims:
                     raise ValueError(f"parallel.ep = {self.ep} with parallel.{other} = {getattr(self, other)} is not "
                                      f"supported yet: set parallel.{other} = 1, or parallel.ep = 1 "
                                      + ("(tp alone splits the experts' hidden units)" if other == "tp" else ""))
+            if p.compile:
+                raise ValueError(f"parallel.ep = {self.ep} reads the all-to-all's split sizes on the host, which a "
+                                 f"block compiled whole (parallel.compile) cannot: set parallel.compile = false")
         on_gpu = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
         if p.cpu_offload and not on_gpu:
             raise ValueError("parallel.cpu_offload moves FSDP shards from GPU to CPU memory; this run is on the CPU "
