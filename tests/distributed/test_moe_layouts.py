@@ -30,10 +30,12 @@ LAYOUTS = {
     # ep 2 over dp_shard 2: the experts split, dense weights FSDP; checkpoints at step 3 for the resume test
     "ep2": (2, {"parallel__ep": 2, "checkpoint__interval": 3}),
     "ep2_fsdp4": (4, {"parallel__ep": 2}),  # experts FSDP-sharded over dp_shard / ep = 2 as well
-    "ep2_hsdp2x2": (4, {"parallel__ep": 2, "parallel__dp_replicate": 2}),  # experts replicated over 2 groups
+    # experts replicated over 2 groups, every block recomputed in backward (its all-to-alls too)
+    "ep2_hsdp2x2_full_ac": (4, {"parallel__ep": 2, "parallel__dp_replicate": 2,
+                                "parallel__activation_checkpointing": "full"}),
     "tp2": (2, {"parallel__tp": 2, "parallel__dp_shard": 1}),
 }
-NO_SEED = {"ep2_hsdp2x2"}  # initialised sharded, as one process initialises (the CPU init), not from the seed
+NO_SEED = {"ep2_hsdp2x2_full_ac"}  # initialised sharded, as one process initialises (the CPU init), not from the seed
 
 
 def records(job_dir) -> list[dict]:

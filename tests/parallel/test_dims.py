@@ -51,6 +51,8 @@ def test_bad_layouts(world, overrides, message):
     (2, ["--parallel.ep=4", "--model.name=olmoe"], "must divide parallel.dp_shard = 2"),
     (4, ["--parallel.ep=2", "--parallel.tp=2", "--model.name=olmoe"], "parallel.ep = 2 with parallel.tp = 2 is not"),
     (2, ["--parallel.ep=2", "--parallel.compile=true", "--model.name=olmoe"], "set parallel.compile = false"),
+    (2, ["--parallel.ep=2", "--parallel.activation_checkpointing=selective-op", "--model.name=olmoe"],
+     'set parallel.activation_checkpointing = "full"'),
 ])
 def test_impossible_cp_pp_ep_layouts(world, overrides, message):
     with pytest.raises(ValueError) as info:

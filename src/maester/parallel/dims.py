@@ -81,6 +81,11 @@ class ParallelDims:
                     raise ValueError(f"parallel.ep = {self.ep} with parallel.{other} = {getattr(self, other)} is not "
                                      f"supported yet: set parallel.{other} = 1, or parallel.ep = 1 "
                                      + ("(tp alone splits the experts' hidden units)" if other == "tp" else ""))
+            if p.activation_checkpointing == "selective-op":
+                raise ValueError(f"parallel.ep = {self.ep} gives the experts an FSDP unit of their own inside each "
+                                 f"block, whose hooks selective checkpointing cannot replay (torch's selective "
+                                 f"checkpointing matches every profiler marker of the recompute to the forward's): "
+                                 f"set parallel.activation_checkpointing = \"full\"")
             if p.compile:
                 raise ValueError(f"parallel.ep = {self.ep} reads the all-to-all's split sizes on the host, which a "
                                  f"block compiled whole (parallel.compile) cannot: set parallel.compile = false")

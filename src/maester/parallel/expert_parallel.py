@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from maester.models.moe import MoEFeedForward
+from maester.models.moe import MoEFeedForward, moe_layers
 
 
 class _ExpertDispatch:
@@ -25,7 +25,6 @@ class _ExpertDispatch:
     between the two (splits, order) is this layer's current forward's; a checkpointed recompute sets it again."""
 
     def __init__(self, ep_mesh):
-        self.mesh = ep_mesh
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
         self.input_splits: list[int] = []
@@ -42,7 +41,7 @@ class _ExpertDispatch:
         dist.all_to_all_single(received, counts.contiguous(), group=self.group)  # [from rank i][local expert]
         by_rank = torch.stack([counts.view(self.ep, -1).sum(1), received.view(self.ep, -1).sum(1)]).tolist()
         self.input_splits, self.output_splits = by_rank
-        x = all_to_all_single_autograd(x, self.output_splits, self.input_splits, self.mesh.get_group())
+        x = all_to_all_single_autograd(x, self.output_splits, self.input_splits, self.group)
         # The tokens arrive grouped by source rank, then by local expert: regroup them by local expert.
         per_source = received.view(self.ep, -1)
         local = torch.arange(per_source.numel(), device=counts.device) % per_source.shape[1]
@@ -54,7 +53,7 @@ class _ExpertDispatch:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         out = out[self.order.argsort()]
-        return all_to_all_single_autograd(out, self.input_splits, self.output_splits, self.mesh.get_group())
+        return all_to_all_single_autograd(out, self.input_splits, self.output_splits, self.group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
@@ -62,7 +61,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
     tokens are sorted in) and route their tokens there and back."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    for moe in moe_layers_of(model):
+    for moe in moe_layers(model):
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
@@ -70,10 +69,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
         hooks = _ExpertDispatch(ep_mesh)
         experts.register_forward_pre_hook(hooks.dispatch)
         experts.register_forward_hook(hooks.combine)
-
-
-def moe_layers_of(model: nn.Module) -> list[MoEFeedForward]:
-    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
 class _CopyToTensorParallel(torch.autograd.Function):

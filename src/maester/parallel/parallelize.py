@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from maester.config import ParallelConfig
-from maester.models.moe import MoEFeedForward
+from maester.models.moe import MoEFeedForward, moe_layers
 from maester.parallel.dims import ParallelDims
-from maester.parallel.expert_parallel import apply_expert_parallel, moe_layers_of, moe_tensor_parallel_plan
+from maester.parallel.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan
 from maester.parallel.precision import DTYPES, Precision, resolve_precision
 
 
@@ -247,7 +247,7 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: no point resharding them.
         reshard = cfg.fsdp_reshard_after_forward and i < len(blocks) - 1
-        for moe in moe_layers_of(block) if experts_mesh is not None else ():
+        for moe in moe_layers(block) if experts_mesh is not None else ():
             fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": experts_mesh})
             moe.experts.set_gradient_divide_factor(float(experts_divide))
             # Divide after a sum (gloo has no PREMUL_SUM), unless the experts are not sharded (one rank on the
