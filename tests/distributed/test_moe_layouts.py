@@ -34,6 +34,7 @@ LAYOUTS = {
     "ep2_hsdp2x2_full_ac": (4, {"parallel__ep": 2, "parallel__dp_replicate": 2,
                                 "parallel__activation_checkpointing": "full"}),
     "tp2": (2, {"parallel__tp": 2, "parallel__dp_shard": 1}),
+    "fsdp2_tp2": (4, {"parallel__tp": 2}),  # the tp-split experts and the replicated router FSDP-sharded too
 }
 NO_SEED = {"ep2_hsdp2x2_full_ac"}  # initialised sharded, as one process initialises (the CPU init), not from the seed
 

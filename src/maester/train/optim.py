@@ -255,7 +255,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
     overflow = None
     if scaler is not None:
         grads = [[p.grad for p in group] for group in by_mesh.values()] or [[]]
-        norm, overflow = [scaler.unscale(group, norm) for group in grads][0]  # each with the scaled norm
+        unscaled = [scaler.unscale(group, norm) for group in grads]  # each group's gradients divided, same norm
+        norm, overflow = unscaled[0]
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm, overflow
