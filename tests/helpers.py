@@ -71,3 +71,21 @@ def seed_job(corpus: Path, dump_dir: Path, name: str, **extra) -> Path:
     cfg = load_config(None, tiny_overrides(corpus, dump_dir, name, **extra), environ={})
     write_seed_checkpoint(cfg, cfg.job_dir)
     return cfg.job_dir
+
+
+def train_seeded_reference(root: Path, **extra) -> tuple[Path, Path, Path]:
+    """A corpus under `root`, a seed checkpoint of the tiny run (`tiny_overrides` and `extra`) copied to
+    root/seed-checkpoints for other jobs to start from, and one process's run of job "reference" from it.
+    Returns (corpus, seed checkpoints, the reference's job directory)."""
+    import shutil
+
+    from maester.config import load_config
+    from maester.train.trainer import Trainer, write_seed_checkpoint
+
+    corpus = write_corpus(root / "data" / "corpus.parquet")
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "reference", **extra), environ={})
+    write_seed_checkpoint(cfg, cfg.job_dir)
+    seed = root / "seed-checkpoints"
+    shutil.copytree(cfg.job_dir / "checkpoints", seed, symlinks=True)
+    Trainer(cfg, cfg.job_dir).train()
+    return corpus, seed, cfg.job_dir

@@ -10,10 +10,8 @@ import shutil
 
 import pytest
 
-from maester.config import load_config
 from maester.train.metrics import read_metrics
-from maester.train.trainer import Trainer, write_seed_checkpoint
-from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, torchrun
+from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, torchrun, train_seeded_reference
 
 STEPS = 5
 BASE = dict(training__steps=STEPS, training__global_batch_size=8, training__micro_batch_size=2,
@@ -38,16 +36,9 @@ def losses(job_dir) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, from a seed checkpoint that every layout's job copies."""
-    from tests.helpers import write_corpus
-
     root = tmp_path_factory.mktemp("layouts")
-    corpus = write_corpus(root / "data" / "corpus.parquet")
-    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "reference", **BASE), environ={})
-    write_seed_checkpoint(cfg, cfg.job_dir)
-    seed = root / "seed-checkpoints"
-    shutil.copytree(cfg.job_dir / "checkpoints", seed, symlinks=True)
-    Trainer(cfg, cfg.job_dir).train()
-    return root, corpus, seed, losses(cfg.job_dir)
+    corpus, seed, job = train_seeded_reference(root, **BASE)
+    return root, corpus, seed, losses(job)
 
 
 NO_SEED = {"fsdp2_tp2"}

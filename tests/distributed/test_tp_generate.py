@@ -1,5 +1,6 @@
-"""Tensor-parallel generation over two gloo processes gives the tokens of one process: an untied Llama head and a
-tied Qwen 3 head with per-head QK-norm, one prompt at a time and as a left-padded batch."""
+"""Tensor-parallel generation over two gloo processes gives the tokens of one process: an untied Llama head, a
+tied Qwen 3 head with per-head QK-norm and an OLMoE mixture of experts, one prompt at a time and as a left-padded
+batch."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ TEXTS = ["the model reads", "a token", "the optimizer updates every weight of th
 def test_two_processes_generate_what_one_does(corpus, tmp_path):
     jobs = [seed_job(corpus, tmp_path / "jobs", "llama"),
             seed_job(corpus, tmp_path / "jobs", "qwen3", model__name="qwen3",
-                     model__overrides='{"tie_embeddings": true}')]
+                     model__overrides='{"tie_embeddings": true}'),
+            seed_job(corpus, tmp_path / "jobs", "olmoe", model__name="olmoe")]  # experts' hidden units split
     expected = {}
     for job in jobs:
         model, tokenizer, _ = load_for_inference(job, torch.device("cpu"))

@@ -49,6 +49,10 @@ def test_bad_layouts(world, overrides, message):
     (2, ["--parallel.ep=2"], "is a dense model"),
     (4, ["--parallel.ep=3", "--model.name=olmoe"], "does not divide the model's moe.n_experts (8)"),
     (2, ["--parallel.ep=4", "--model.name=olmoe"], "must divide parallel.dp_shard = 2"),
+    (4, ["--parallel.ep=2", "--parallel.tp=2", "--model.name=olmoe"], "parallel.ep = 2 with parallel.tp = 2 is not"),
+    (2, ["--parallel.ep=2", "--parallel.compile=true", "--model.name=olmoe"], "set parallel.compile = false"),
+    (2, ["--parallel.ep=2", "--parallel.activation_checkpointing=selective-op", "--model.name=olmoe"],
+     'set parallel.activation_checkpointing = "full"'),
 ])
 def test_impossible_cp_pp_ep_layouts(world, overrides, message):
     with pytest.raises(ValueError) as info:
@@ -61,3 +65,17 @@ def test_cp_and_pp_take_their_ranks_from_the_world():
              "--training.micro_batch_size=2")
     assert (d.pp, d.cp, d.dp_shard, d.dp_size) == (2, 2, 2, 2)
     assert d.fsdp_enabled  # the cp ranks shard the weights too
+
+
+def test_the_olmoe_config_lays_out_on_two_nodes_of_eight():
+    """configs/olmoe/1b-7b.toml: FSDP over 16 ranks with the experts split over the 8 of a node, 8 experts each,
+    and FSDP-sharded over the 2 nodes; on fewer ranks than ep it says what to change."""
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "olmoe" / "1b-7b.toml", environ={})
+    d = ParallelDims.from_config(cfg, 16)
+    assert (d.dp_shard, d.ep, d.dp_size, d.dp_shard // d.ep) == (16, 8, 16, 2)
+    assert cfg.model.architecture().moe.n_experts // d.ep == 8
+    assert d.batch_plan(cfg, dp_rank=0).accumulation_steps == 16  # 1024 sequences of 4 per rank and micro-batch
+    with pytest.raises(ValueError, match="must divide parallel.dp_shard = 4"):
+        ParallelDims.from_config(cfg, 4)

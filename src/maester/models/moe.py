@@ -72,24 +72,34 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (tokens, dim) sorted by expert, `counts[e]` of them for expert e -> (tokens, dim)."""
         dtype = _compute_dtype(x)
-        grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_supported(x, self.down_proj))
-        return self._grouped(x.to(dtype), counts) if grouped else self._loop(x, counts)
+        weights = [_local(p) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_supported(x, weights[2]))
+        return self._grouped(x.to(dtype), counts, weights) if grouped else self._loop(x, counts, weights)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         """One grouped GEMM per projection, in x's dtype (autocast does not cover `_grouped_mm`)."""
         offs = counts.cumsum(0).to(torch.int32)
-        w = [p.to(x.dtype).transpose(-2, -1) for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        w = [p.to(x.dtype).transpose(-2, -1) for p in weights]
         gate = torch._grouped_mm(x, w[0], offs=offs)
         up = torch._grouped_mm(x, w[1], offs=offs)
         return torch._grouped_mm(self._act(gate) * up, w[2], offs=offs)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         """Expert by expert; reads the group sizes on the host (a sync per layer, where no grouped GEMM runs)."""
+        gate_proj, up_proj, down_proj = weights
         outs = []
         for e, chunk in enumerate(x.split(counts.tolist())):
-            h = self._act(F.linear(chunk, self.gate_proj[e])) * F.linear(chunk, self.up_proj[e])
-            outs.append(F.linear(h, self.down_proj[e]))
+            h = self._act(F.linear(chunk, gate_proj[e])) * F.linear(chunk, up_proj[e])
+            outs.append(F.linear(h, down_proj[e]))
         return torch.cat(outs)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an expert weight sharded from outside (expert or tensor parallel: a DTensor), the
+    weight itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -240,7 +240,10 @@ class Transformer(nn.Module):
         extra = aux_loss(self) if self.training and self.args.moe is not None else None
         if extra is None:
             return loss
-        return loss + extra * (labels != IGNORE_INDEX).sum()
+        extra = extra * (labels != IGNORE_INDEX).sum()
+        if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor, as every tp rank's aux loss is
+            extra = DTensor.from_local(extra, loss.device_mesh, loss.placements, run_check=False)
+        return loss + extra
 
 
 # What activation checkpointing and torch.compile insert into parameter names (FSDP2 and TP insert nothing).

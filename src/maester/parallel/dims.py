@@ -83,6 +83,19 @@ class ParallelDims:
             if self.dp_shard % self.ep:
                 raise ValueError(f"parallel.ep = {self.ep} must divide parallel.dp_shard = {self.dp_shard} "
                                  f"(expert parallel borrows dp_shard ranks): make dp_shard a multiple of ep")
+            for other in ("tp", "cp", "pp"):
+                if getattr(self, other) > 1:
+                    raise ValueError(f"parallel.ep = {self.ep} with parallel.{other} = {getattr(self, other)} is not "
+                                     f"supported yet: set parallel.{other} = 1, or parallel.ep = 1 "
+                                     + ("(tp alone splits the experts' hidden units)" if other == "tp" else ""))
+            if p.activation_checkpointing == "selective-op":
+                raise ValueError(f"parallel.ep = {self.ep} gives the experts an FSDP unit of their own inside each "
+                                 f"block, whose hooks selective checkpointing cannot replay (torch's selective "
+                                 f"checkpointing matches every profiler marker of the recompute to the forward's): "
+                                 f"set parallel.activation_checkpointing = \"full\"")
+            if p.compile:
+                raise ValueError(f"parallel.ep = {self.ep} reads the all-to-all's split sizes on the host, which a "
+                                 f"block compiled whole (parallel.compile) cannot: set parallel.compile = false")
         on_gpu = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
         if p.cpu_offload and not on_gpu:
             raise ValueError("parallel.cpu_offload moves FSDP shards from GPU to CPU memory; this run is on the CPU "

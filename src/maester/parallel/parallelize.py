@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from maester.config import ParallelConfig
+from maester.models.moe import MoEFeedForward, moe_layers
 from maester.parallel.context_parallel import apply_context_parallel
 from maester.parallel.dims import ParallelDims
+from maester.parallel.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan
 from maester.parallel.precision import DTYPES, Precision, resolve_precision
 
 
@@ -25,6 +27,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
         apply_context_parallel(model, dims.mesh["cp"])
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"])
+    if dims.ep > 1:
+        apply_expert_parallel(model, dims.mesh["ep"])
     if cfg.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     if cfg.compile:
@@ -32,7 +36,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
     if dims.fsdp_enabled:
         shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # the cp ranks of a dp rank hold the same weights
         mesh = dims.mesh["dp_replicate", shard] if dims.dp_replicate > 1 else dims.mesh[shard]
-        apply_fsdp(model, mesh, cfg, device, precision)
+        # Experts split over ep are FSDP-sharded over the rest of the dp ranks, dividing their gradients by the
+        # whole dp size as the dense ones are (torchtitan's apply_fsdp for MoE).
+        experts = None
+        if dims.ep > 1:
+            experts = dims.mesh["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else \
+                dims.mesh["dp_shard_mod_ep"]
+        apply_fsdp(model, mesh, cfg, device, precision, experts_mesh=experts, experts_divide=dims.dp_size)
     elif dims.ddp_enabled:
         from torch.distributed._composable import replicate
 
@@ -111,12 +121,17 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
         "attention.k_proj": ColwiseParallel(),
         "attention.v_proj": ColwiseParallel(),
         "attention.o_proj": RowwiseParallel(output_layouts=between_blocks),
-        **({"feed_forward": gather["feed_forward"]} if gather else {}),
-        "feed_forward.up_proj": ColwiseParallel(),
-        "feed_forward.down_proj": RowwiseParallel(output_layouts=between_blocks),
     }
-    if hasattr(block.feed_forward, "gate_proj"):
-        plan["feed_forward.gate_proj"] = ColwiseParallel()
+    if isinstance(block.feed_forward, MoEFeedForward):
+        plan.update(moe_tensor_parallel_plan(block.feed_forward, "feed_forward", sequence_parallel))
+    else:
+        plan.update({
+            **({"feed_forward": gather["feed_forward"]} if gather else {}),
+            "feed_forward.up_proj": ColwiseParallel(),
+            "feed_forward.down_proj": RowwiseParallel(output_layouts=between_blocks),
+        })
+        if hasattr(block.feed_forward, "gate_proj"):
+            plan["feed_forward.gate_proj"] = ColwiseParallel()
     if sequence_parallel:
         # Norms see sequence-sharded activations (absent ones are nn.Identity); a post-norm's output joins the
         # residual stream, which is a plain (sequence-sharded) tensor.
@@ -216,9 +231,11 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device,
-               precision: Precision | None = None) -> None:
+               precision: Precision | None = None, experts_mesh=None, experts_divide: int = 1) -> None:
     """FSDP2 per block, then the root; the mixed-precision policy computes in the precision's dtype (and is the
-    only cast: the trainer runs no autocast under FSDP)."""
+    only cast: the trainer runs no autocast under FSDP). `experts_mesh`: under expert parallel, the mesh the
+    experts of each block are sharded over first, as their own FSDP unit whose gradients are divided by
+    `experts_divide`."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if precision is None:
@@ -233,6 +250,13 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: no point resharding them.
         reshard = cfg.fsdp_reshard_after_forward and i < len(blocks) - 1
+        for moe in moe_layers(block) if experts_mesh is not None else ():
+            fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": experts_mesh})
+            moe.experts.set_gradient_divide_factor(float(experts_divide))
+            # Divide after a sum (gloo has no PREMUL_SUM), unless the experts are not sharded (one rank on the
+            # last dim): there FSDP divides in its copy, and forcing would divide a second time.
+            if experts_mesh.size(experts_mesh.ndim - 1) > 1:
+                moe.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root (embeddings, final norm, output) keeps FSDP2's default, None: not resharded after forward, since
     # backward needs the output layer first; an explicit True would all-gather it again in every backward.

@@ -241,11 +241,22 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
                    scaler: LossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP); returns the norm before clipping
-    and, with a loss `scaler` (fp16), the overflow flag, after dividing the gradients by the scale."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = full_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+    and, with a loss `scaler` (fp16), the overflow flag, after dividing the gradients by the scale.
+
+    Parameters on different meshes (expert parallel's experts beside the dense ones) are normed mesh by mesh and
+    the norms combined, as torchtitan's clip_grad_norm_ does for EP: DTensor ops do not mix meshes."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    norms = [full_value(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True))
+             for group in by_mesh.values()] or [torch.nn.utils.get_total_norm([], 2.0)]
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     overflow = None
     if scaler is not None:
-        norm, overflow = scaler.unscale(grads, norm)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        grads = [[p.grad for p in group] for group in by_mesh.values()] or [[]]
+        unscaled = [scaler.unscale(group, norm) for group in grads]  # each group's gradients divided, same norm
+        norm, overflow = unscaled[0]
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm, overflow

@@ -137,10 +137,10 @@ class Trainer:
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
         self._validation = None
         self._resume_or_initialise()
-        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d x cp %d x tp %d; "
+        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d; "
                  "%d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
                  cfg.model.name, cfg.model.flavor, f"{count_parameters(self.model):,}", self.world_size,
-                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.cp, self.dims.tp,
+                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.ep, self.dims.cp, self.dims.tp,
                  self.loader.batch.accumulation_steps,
                  self.loader.batch.micro_batch, cfg.data.seq_len, self.device)
 

@@ -1,0 +1,169 @@
+"""The mixture-of-experts layer over several ranks, applied from outside like the rest of `parallelize`:
+
+- expert parallel (`apply_expert_parallel`): each rank of the "ep" mesh holds n_experts / ep of the stacked expert
+  weights (a DTensor, Shard(0)); the tokens a rank routed, already sorted by expert, go by an all-to-all with
+  variable splits to the rank holding their expert and come back the same way (torchtitan's ExpertParallel and
+  AllToAllTokenDispatcher);
+- tensor parallel (`moe_tensor_parallel_plan`): every tp rank routes all tokens with a replicated router and holds
+  a slice of every expert's hidden units (gate and up projections by rows, down by columns); the experts' partial
+  outputs are summed over the tp ranks (torchtitan's MoE TP plan, MOE_SHARDING.md "EP off").
+
+The routed experts compute on local tensors in both; the MoE module itself is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from maester.models.moe import MoEFeedForward, moe_layers
+
+
+class _ExpertDispatch:
+    """Hooks of one GroupedExperts under expert parallel: dispatch before its forward, combine after it. The state
+    between the two (splits, order) is this layer's current forward's; a checkpointed recompute sets it again."""
+
+    def __init__(self, ep_mesh):
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self.input_splits: list[int] = []
+        self.output_splits: list[int] = []
+        self.order: torch.Tensor | None = None
+
+    def dispatch(self, module, args):
+        """(tokens sorted by expert, counts per expert of all E) -> (tokens of this rank's experts sorted by local
+        expert, counts per local expert): one count exchange, one host read of the splits, one token all-to-all."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        x, counts = args
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)  # [from rank i][local expert]
+        by_rank = torch.stack([counts.view(self.ep, -1).sum(1), received.view(self.ep, -1).sum(1)]).tolist()
+        self.input_splits, self.output_splits = by_rank
+        x = all_to_all_single_autograd(x, self.output_splits, self.input_splits, self.group)
+        # The tokens arrive grouped by source rank, then by local expert: regroup them by local expert.
+        per_source = received.view(self.ep, -1)
+        local = torch.arange(per_source.numel(), device=counts.device) % per_source.shape[1]
+        self.order = local.repeat_interleave(per_source.reshape(-1)).argsort(stable=True)
+        return x[self.order], per_source.sum(0)
+
+    def combine(self, module, args, out):
+        """The experts' outputs back in the order they arrived, then back to the ranks that sent the tokens."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        out = out[self.order.argsort()]
+        return all_to_all_single_autograd(out, self.input_splits, self.output_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
+    """Split every MoE layer's experts over `ep_mesh` (contiguous blocks of n_experts / ep per rank, the order the
+    tokens are sorted in) and route their tokens there and back."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for moe in moe_layers(model):
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        hooks = _ExpertDispatch(ep_mesh)
+        experts.register_forward_pre_hook(hooks.dispatch)
+        experts.register_forward_hook(hooks.combine)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tp ranks (each holds a slice of the experts' hidden
+    units, so each has a partial input gradient). Megatron's f."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Sums the experts' partial outputs over the tp ranks; backward passes the (replicated) gradient through.
+    Megatron's g."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _experts_tensor_parallel():
+    """The ParallelStyle of GroupedExperts under TP: hidden units split, inputs and outputs plain tensors."""
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    dims = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}  # (E, hidden, dim), (E, hidden, dim), (E, dim, hidden)
+
+    def partition(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, mesh, [Shard(dims[pname])])
+            module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    class ExpertsTensorParallel(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            group = device_mesh.get_group()
+            return distribute_module(
+                module, device_mesh, partition,
+                input_fn=lambda mod, inputs, mesh: (_CopyToTensorParallel.apply(inputs[0], group), *inputs[1:]),
+                output_fn=lambda mod, out, mesh: _ReduceFromTensorParallel.apply(out, group))
+
+    return ExpertsTensorParallel()
+
+
+def _replicated_router():
+    """The router's gate as a replicated DTensor: every tp rank routes every token the same way, and its gradient
+    is whole on each rank (no reduction)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def partition(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param.data, mesh, [Replicate()])
+            module.register_parameter(pname, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+    class ReplicatedRouter(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            return distribute_module(
+                module, device_mesh, partition,
+                input_fn=lambda mod, inputs, mesh: (DTensor.from_local(inputs[0], mesh, [Replicate()],
+                                                                       run_check=False),),
+                output_fn=lambda mod, out, mesh: out.to_local())
+
+    return ReplicatedRouter()
+
+
+def moe_tensor_parallel_plan(moe: MoEFeedForward, prefix: str, sequence_parallel: bool) -> dict:
+    """The TP plan entries of one block's MoE feed-forward (`prefix` "feed_forward"): its input gathered whole
+    (from sequence shards under SP) as a plain tensor, the router replicated, the experts' hidden units split, the
+    shared experts Megatron-style, and the output back to the residual stream's layout."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
+
+    between_blocks = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        prefix: PrepareModuleInputOutput(input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),),
+                                         use_local_input=True, output_layouts=(Replicate(),),
+                                         desired_output_layouts=(between_blocks,), use_local_output=True),
+        f"{prefix}.router.gate": _replicated_router(),
+        f"{prefix}.experts": _experts_tensor_parallel(),
+    }
+    if moe.shared_experts is not None:
+        plan[f"{prefix}.shared_experts.gate_proj"] = ColwiseParallel()
+        plan[f"{prefix}.shared_experts.up_proj"] = ColwiseParallel()
+        plan[f"{prefix}.shared_experts.down_proj"] = RowwiseParallel()
+    return plan
