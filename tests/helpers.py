@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,28 @@ def seed_job(corpus: Path, dump_dir: Path, name: str, **extra) -> Path:
     cfg = load_config(None, tiny_overrides(corpus, dump_dir, name, **extra), environ={})
     write_seed_checkpoint(cfg, cfg.job_dir)
     return cfg.job_dir
+
+
+def train_reference(root: Path, corpus: Path, name: str = "reference", **extra) -> tuple[Path, Path]:
+    """One process trains the tiny job `name` from a seed checkpoint, which is also copied aside for other jobs to
+    start from; returns (the copy, the job directory)."""
+    from maester.config import load_config
+    from maester.train.trainer import Trainer, write_seed_checkpoint
+
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", name, **extra), environ={})
+    write_seed_checkpoint(cfg, cfg.job_dir)
+    seed = root / "seed-checkpoints"
+    shutil.copytree(cfg.job_dir / "checkpoints", seed, symlinks=True)
+    Trainer(cfg, cfg.job_dir).train()
+    return seed, cfg.job_dir
+
+
+def job_from_checkpoints(root: Path, corpus: Path, checkpoints: Path, name: str, **extra) -> Path:
+    """A tiny job made by `maester submit --no-submit` whose checkpoints are a copy of `checkpoints`."""
+    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, **extra)],
+                      root)
+    assert out.returncode == 0, out.stderr
+    job = root / "jobs" / name
+    shutil.rmtree(job / "checkpoints")
+    shutil.copytree(checkpoints, job / "checkpoints", symlinks=True)
+    return job

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from maester.config import Config
 from maester.data.batch import BatchPlan
+from maester.parallel.pipeline import check_pipeline
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,7 @@ class ParallelDims:
             raise ValueError(f"parallel.cp = {self.cp} needs data.seq_len divisible by 2 x cp = {2 * self.cp} "
                              f"(each rank takes two chunks, one early and one late, to even out the causal mask); "
                              f"data.seq_len is {cfg.data.seq_len}: make it a multiple of {2 * self.cp}")
-        if self.pp > 1 and args.n_layers < self.pp:
-            raise ValueError(f"parallel.pp = {self.pp} pipeline stages need at least as many layers, but the model "
-                             f"has n_layers = {args.n_layers}: lower parallel.pp to at most {args.n_layers}")
+        check_pipeline(cfg, args.n_layers, self.batch_plan(cfg, dp_rank=0).accumulation_steps)
         if self.ep > 1:
             if args.moe is None:
                 raise ValueError(f"parallel.ep = {self.ep} splits a mixture of experts' experts, but "

@@ -238,12 +238,17 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
-                   scaler: LossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP); returns the norm before clipping
-    and, with a loss `scaler` (fp16), the overflow flag, after dividing the gradients by the scale."""
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, scaler: LossScaler | None = None,
+                   pp_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP) and, with `pp_group`, over the
+    pipeline stages (each rank holds its stages' parameters); returns the norm before clipping and, with a loss
+    `scaler` (fp16), the overflow flag, after dividing the gradients by the scale."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = full_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+    if pp_group is not None:  # torchtitan's clip_grad_norm_ combines the stages' norms the same way
+        norm = norm.square()
+        torch.distributed.all_reduce(norm, group=pp_group)
+        norm = norm.sqrt()
     overflow = None
     if scaler is not None:
         norm, overflow = scaler.unscale(grads, norm)

@@ -121,6 +121,13 @@ class Trainer:
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+        self.pipeline = None  # parallel.pp > 1: the schedule that runs this rank's stages
+        if self.dims.pp > 1:
+            from maester.parallel.pipeline import Pipeline
+
+            self.pp_group = self.dims.mesh["pp"].get_group()
+            self.pipeline = Pipeline(self.model, cfg.parallel.pp_schedule,
+                                     self.dims.batch_plan(cfg).accumulation_steps, self.pp_group)
         # Flags for the optimizer live with the parameters: on the CPU under parallel.cpu_offload.
         param_device = next(iter(self.model.parameters())).device
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
@@ -250,7 +257,8 @@ class Trainer:
             writer.write_event({"event": "checkpoint_damaged", "step": self.step, **record})
         run = _Run(total, writer, profiler, progress, StopRequests(self.job_dir, self.rank),
                    MetricsWindow(self.device), long_timeout=self.world_size > 1,
-                   flops_per_token=model_flops_per_token(self.model, cfg.data.seq_len),
+                   flops_per_token=model_flops_per_token(getattr(self.model, "whole_model", self.model),
+                                                         cfg.data.seq_len),
                    peak_flops=device_peak_flops(self.device))
         self.model.train()
         gc_interval = cfg.training.gc_interval
@@ -295,7 +303,8 @@ class Trainer:
         max_norm = self.cfg.training.max_grad_norm or math.inf
         try:
             loss = self._forward_backward(micro_batches, stats[0])
-            grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler)
+            grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler,
+                                                 self.pp_group if self.pipeline is not None else None)
             if overflow is None:
                 if self.nonfinite.observe(self.step, loss, grad_norm):
                     self.optimizer.step()
@@ -398,10 +407,13 @@ class Trainer:
         scale = self.dims.dp_size if (self.dims.fsdp_enabled or self.dims.ddp_enabled) else 1
         if self.scaler is not None:
             scale = self.scaler.scale * scale
-        total = torch.zeros((), device=self.device)
         nan = fault_at("nan_loss", self.step)
         anomaly = torch.autograd.detect_anomaly(check_nan=True) if self.cfg.training.detect_anomaly else \
             contextlib.nullcontext()
+        if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
+            with self._loss_context(), autocast(self.precision, self.device), anomaly:
+                return self.pipeline.step(micro_batches, n_labels, scale, self.device, poison=nan)
+        total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             if self.dims.ddp_enabled:  # DDP all-reduces the gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
