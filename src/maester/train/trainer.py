@@ -142,7 +142,8 @@ class Trainer:
         self._resume_or_initialise()
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d x tp %d; "
                  "%d accumulation step(s) of %d sequence(s) x %d tokens per rank; device %s",
-                 cfg.model.name, cfg.model.flavor, f"{count_parameters(self.model):,}", self.world_size,
+                 cfg.model.name, cfg.model.flavor,
+                 f"{count_parameters(getattr(self.model, 'whole_model', self.model)):,}", self.world_size,
                  self.dims.dp_replicate, self.dims.dp_shard, self.dims.tp, self.loader.batch.accumulation_steps,
                  self.loader.batch.micro_batch, cfg.data.seq_len, self.device)
 
