@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from maester.parallel.pipeline import v_schedule_sends_to_itself
 from maester.train.metrics import read_metrics
 from tests.helpers import job_from_checkpoints, run_maester, torchrun, train_reference, write_corpus
 
@@ -49,6 +50,8 @@ def prepare_job(root, corpus, checkpoints, name, **extra):
 def test_pipeline_matches_one_process(reference, layout):
     root, corpus, seed, expected = reference
     nproc, extra = LAYOUTS[layout]
+    if extra["parallel__pp_schedule"] == "ZBVZeroBubble" and v_schedule_sends_to_itself():
+        pytest.skip("this torch's ZBV sends from a rank to itself, which gloo cannot (refused: test_dims)")
     job = prepare_job(root, corpus, seed, layout, parallel__pp=2, **extra)
     run = torchrun(nproc, ["train", str(job)], root)
     assert run.returncode == 0, run.stderr[-4000:]

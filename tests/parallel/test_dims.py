@@ -78,3 +78,17 @@ def test_cp_and_pp_take_their_ranks_from_the_world():
              "--training.micro_batch_size=2")
     assert (d.pp, d.cp, d.dp_shard, d.dp_size) == (2, 2, 2, 2)
     assert d.fsdp_enabled  # the cp ranks shard the weights too
+
+
+def test_zbv_on_the_cpu_is_refused_where_torch_would_send_a_rank_to_itself():
+    """torch 2.10's schedules open their links with a send to each neighbour stage, the same rank's too (the V's
+    middle stages): gloo cannot, so that torch refuses ZBV on the CPU up front; newer torch trains it."""
+    from maester.parallel.pipeline import v_schedule_sends_to_itself
+
+    layout = ("--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble", "--model.overrides.n_layers=4",
+              "--training.device=cpu", "--training.global_batch_size=8", "--training.micro_batch_size=2")
+    if v_schedule_sends_to_itself():
+        with pytest.raises(ValueError, match="gloo cannot do"):
+            dims(2, *layout)
+    else:
+        assert dims(2, *layout).pp == 2

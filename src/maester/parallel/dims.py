@@ -64,7 +64,6 @@ class ParallelDims:
             raise ValueError(f"parallel.cp = {self.cp} needs data.seq_len divisible by 2 x cp = {2 * self.cp} "
                              f"(each rank takes two chunks, one early and one late, to even out the causal mask); "
                              f"data.seq_len is {cfg.data.seq_len}: make it a multiple of {2 * self.cp}")
-        check_pipeline(cfg, args.n_layers, self.batch_plan(cfg, dp_rank=0).accumulation_steps)
         if self.ep > 1:
             if args.moe is None:
                 raise ValueError(f"parallel.ep = {self.ep} splits a mixture of experts' experts, but "
@@ -76,6 +75,7 @@ class ParallelDims:
                 raise ValueError(f"parallel.ep = {self.ep} must divide parallel.dp_shard = {self.dp_shard} "
                                  f"(expert parallel borrows dp_shard ranks): make dp_shard a multiple of ep")
         on_gpu = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+        check_pipeline(cfg, args.n_layers, self.batch_plan(cfg, dp_rank=0).accumulation_steps, on_gpu)
         if p.cpu_offload and not on_gpu:
             raise ValueError("parallel.cpu_offload moves FSDP shards from GPU to CPU memory; this run is on the CPU "
                              "already: set parallel.cpu_offload = false")

@@ -46,9 +46,9 @@ def stage_layer_counts(n_layers: int, p: ParallelConfig) -> list[int]:
     return [base + (i < extra) for i in range(n)]
 
 
-def check_pipeline(cfg: Config, n_layers: int, micro_batches: int) -> None:
+def check_pipeline(cfg: Config, n_layers: int, micro_batches: int, on_gpu: bool) -> None:
     """Refuse a pipeline layout that cannot run, naming the key to change. `micro_batches`: a rank's micro-batches
-    per step (the batch plan's accumulation steps), which the schedule pipelines."""
+    per step (the batch plan's accumulation steps), which the schedule pipelines; `on_gpu`: the run's device."""
     p = cfg.parallel
     if p.pp == 1:
         if p.pp_layers is not None:
@@ -81,6 +81,10 @@ def check_pipeline(cfg: Config, n_layers: int, micro_batches: int) -> None:
         raise ValueError(f"parallel.pp_schedule = 'Interleaved1F1B' runs the micro-batches in rounds of pp = {p.pp}: "
                          f"{micro_batches} micro-batches per step do not split into {rounds} rounds; make them a "
                          f"multiple of {p.pp} (training.global_batch_size / training.micro_batch_size)")
+    if p.pp_schedule == "ZBVZeroBubble" and not on_gpu and v_schedule_sends_to_itself():
+        raise ValueError(f"parallel.pp_schedule = 'ZBVZeroBubble' on the CPU cannot run with torch {torch.__version__}: "
+                         f"its pipelining first sends from each rank to itself between the V's two stages on one "
+                         f"rank, which gloo cannot do (torch 2.15 does not); use Interleaved1F1B, or a newer torch")
     args = cfg.model.architecture()
     refused = {
         "a mixture-of-experts model (its auxiliary losses and balancing are not carried between stages)":
@@ -97,6 +101,14 @@ def check_pipeline(cfg: Config, n_layers: int, micro_batches: int) -> None:
     for what, present in refused.items():
         if present:
             raise ValueError(f"parallel.pp = {p.pp} does not support {what}")
+
+
+def v_schedule_sends_to_itself() -> bool:
+    """Whether this torch's multi-stage schedules open their point-to-point links with a send to every neighbour
+    stage, the same rank's included (torch 2.10's `_get_init_p2p_neighbors_ops`; gone by 2.15)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return hasattr(_PipelineStageBase, "_get_init_p2p_neighbors_ops")
 
 
 def stage_indices(pp_rank: int, pp: int, n_stages: int, schedule: str) -> tuple[int, ...]:
