@@ -90,8 +90,8 @@ def train_reference(root: Path, corpus: Path, name: str = "reference", **extra) 
 
 def job_from_checkpoints(root: Path, corpus: Path, checkpoints: Path, name: str, **extra) -> Path:
     """A tiny job made by `maester submit --no-submit` whose checkpoints are a copy of `checkpoints`."""
-    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, **extra)],
-                      root)
+    overrides = tiny_overrides(corpus, root / "jobs", name, **extra)
+    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *overrides], root)
     assert out.returncode == 0, out.stderr
     job = root / "jobs" / name
     shutil.rmtree(job / "checkpoints")

@@ -12,6 +12,7 @@ clipping and checkpoints; the schedule (`Pipeline`) runs the stages.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ from maester.models.loss import cross_entropy_sum
 
 if TYPE_CHECKING:
     from maester.parallel.dims import ParallelDims
+
+log = logging.getLogger("maester")
 
 SINGLE_STAGE = ("1F1B", "GPipe")
 """Schedules that run one stage per rank; the others run several."""
@@ -82,9 +85,10 @@ def check_pipeline(cfg: Config, n_layers: int, micro_batches: int, on_gpu: bool)
                          f"{micro_batches} micro-batches per step do not split into {rounds} rounds; make them a "
                          f"multiple of {p.pp} (training.global_batch_size / training.micro_batch_size)")
     if p.pp_schedule == "ZBVZeroBubble" and not on_gpu and v_schedule_sends_to_itself():
-        raise ValueError(f"parallel.pp_schedule = 'ZBVZeroBubble' on the CPU cannot run with torch {torch.__version__}: "
-                         f"its pipelining first sends from each rank to itself between the V's two stages on one "
-                         f"rank, which gloo cannot do (torch 2.15 does not); use Interleaved1F1B, or a newer torch")
+        raise ValueError(f"parallel.pp_schedule = 'ZBVZeroBubble' on the CPU cannot run with torch "
+                         f"{torch.__version__}: its pipelining first sends from a rank to itself between the V's "
+                         f"two stages on one rank, which gloo cannot do (torch 2.15 does not); use "
+                         f"Interleaved1F1B, or a newer torch")
     args = cfg.model.architecture()
     refused = {
         "a mixture-of-experts model (its auxiliary losses and balancing are not carried between stages)":
@@ -175,8 +179,11 @@ def build_pipeline_model(whole: nn.Module, dims: "ParallelDims", cfg: Config,
     counts = stage_layer_counts(whole.args.n_layers, cfg.parallel)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     pp_mesh = dims.mesh["pp"]
+    mine = stage_indices(pp_mesh.get_local_rank(), dims.pp, len(counts), cfg.parallel.pp_schedule)
+    log.info("pipeline parallel: %s schedule, %d stages of %s layers over %d ranks; rank %d runs stage(s) %s",
+             cfg.parallel.pp_schedule, len(counts), counts, dims.pp, pp_mesh.get_local_rank(), mine)
     parts, stages = [], []
-    for s in stage_indices(pp_mesh.get_local_rank(), dims.pp, len(counts), cfg.parallel.pp_schedule):
+    for s in mine:
         part = split_stage(whole, range(starts[s], starts[s] + counts[s]), s == 0, s == len(counts) - 1)
         part = materialize_stage(parallelize_stage(part), s)
         parts.append(part)

@@ -121,11 +121,11 @@ class Trainer:
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
         self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+        self.pp_group = self.dims.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.pipeline = None  # parallel.pp > 1: the schedule that runs this rank's stages
-        if self.dims.pp > 1:
+        if self.pp_group is not None:
             from maester.parallel.pipeline import Pipeline
 
-            self.pp_group = self.dims.mesh["pp"].get_group()
             self.pipeline = Pipeline(self.model, cfg.parallel.pp_schedule,
                                      self.dims.batch_plan(cfg).accumulation_steps, self.pp_group)
         # Flags for the optimizer live with the parameters: on the CPU under parallel.cpu_offload.
@@ -304,8 +304,7 @@ class Trainer:
         max_norm = self.cfg.training.max_grad_norm or math.inf
         try:
             loss = self._forward_backward(micro_batches, stats[0])
-            grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler,
-                                                 self.pp_group if self.pipeline is not None else None)
+            grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler, self.pp_group)
             if overflow is None:
                 if self.nonfinite.observe(self.step, loss, grad_norm):
                     self.optimizer.step()
