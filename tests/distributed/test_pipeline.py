@@ -1,7 +1,8 @@
 """Pipeline parallel computes the same training run as one process: real torchrun processes on CPU with gloo, every
 job starting from the same seed checkpoint; and a checkpoint saved under pp = 2 resumes on one process.
 
-The runs mask attention within documents, so the position and document ids must reach every stage."""
+The runs mask attention within documents, so the position and document ids must reach every stage, and evaluate
+on held-out data at the end (through the stages in turn)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.helpers import job_from_checkpoints, run_maester, torchrun, train_ref
 STEPS, SAVED = 5, 3
 BASE = dict(training__steps=STEPS, training__global_batch_size=8, training__micro_batch_size=2,
             checkpoint__interval=SAVED, checkpoint__save_final="false", schedule__warmup_steps=1,
-            model__overrides__n_layers=4, data__document_masking="true")
+            model__overrides__n_layers=4, data__document_masking="true", logging__eval_interval=STEPS)
 
 LAYOUTS = {  # name: (processes, overrides)
     "pp2_1f1b_uneven": (2, {"parallel__pp_schedule": "1F1B", "parallel__pp_layers": "[3,1]"}),
@@ -27,10 +28,15 @@ LAYOUTS = {  # name: (processes, overrides)
 }
 
 
-def curve(job_dir) -> dict[int, tuple[float, float]]:
-    """Step -> (loss, gradient norm before clipping): the norm must cover every stage, as clipping at
-    training.max_grad_norm = 1 (the default) acts on every step here."""
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(job_dir / "metrics.jsonl")}
+def curve(job_dir) -> dict[int, tuple[float, ...]]:
+    """Step -> (loss, gradient norm before clipping[, validation loss]): the norm must cover every stage, as
+    clipping at training.max_grad_norm = 1 (the default) acts on every step here."""
+    records = read_metrics(job_dir / "metrics.jsonl")
+    out = {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
+    for r in records:
+        if "val_loss" in r:
+            out[r["step"]] += (r["val_loss"],)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +44,12 @@ def reference(tmp_path_factory):
     """One process, from a seed checkpoint that every job copies."""
     root = tmp_path_factory.mktemp("pipeline")
     corpus = write_corpus(root / "data" / "corpus.parquet")
+    BASE["data__sources"] = (  # held-out windows for the evaluation at the end; the corpus is made here
+        f'[{{"path": "{corpus}", "validation_fraction": 0.1}}]')
     seed, job = train_reference(root, corpus, **BASE)
-    return root, corpus, seed, curve(job)
+    expected = curve(job)
+    assert len(expected[STEPS]) == 3  # evaluated at the end
+    return root, corpus, seed, expected
 
 
 def prepare_job(root, corpus, checkpoints, name, **extra):

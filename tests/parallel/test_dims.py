@@ -60,8 +60,6 @@ def test_bad_layouts(world, overrides, message):
      "5 micro-batches per step do not split into 2 rounds"),
     (2, ["--parallel.pp=2", "--model.overrides.tie_embeddings=true"], "does not support tied embeddings"),
     (2, ["--parallel.pp=2", "--model.name=olmoe"], "does not support a mixture-of-experts model"),
-    (2, ["--parallel.pp=2", "--logging.eval_interval=5",
-         '--data.sources=[{"path": "c.parquet", "validation_fraction": 0.1}]'], "set logging.eval_interval = 0"),
     (4, ["--parallel.pp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=1",
          "--training.global_batch_size=8", "--training.micro_batch_size=2"], "does not support DDP"),
     (2, ["--parallel.ep=2"], "is a dense model"),

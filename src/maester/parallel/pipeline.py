@@ -97,8 +97,6 @@ def check_pipeline(cfg: Config, n_layers: int, micro_batches: int, on_gpu: bool)
             args.tie_embeddings,
         "DDP (dp_replicate > 1 with dp_shard = 1): use dp_shard (FSDP) or HSDP":
             p.dp_replicate > 1 and p.dp_shard == 1,
-        "in-loop evaluation (logging.eval_interval): set logging.eval_interval = 0":
-            bool(cfg.logging.eval_interval),
         "loading a Hugging Face directory (checkpoint.init_from = 'hf:...'): start from a DCP checkpoint, which "
         "loads at any pp": cfg.checkpoint.init_from_hf is not None,
     }
@@ -222,6 +220,10 @@ class Pipeline:
         self.has_first = any(s.is_first for s in model.stages)
         self.has_last = any(s.is_last for s in model.stages)
         self.pp_group = pp_group
+        self.stage_modules = {s.stage_index: s.submod for s in model.stages}
+        pp, n = dist.get_world_size(pp_group), model.stages[0].num_stages
+        self.stage_rank = {s: dist.get_global_rank(pp_group, r) for r in range(pp)
+                           for s in stage_indices(r, pp, n, schedule)}
 
     def step(self, micro_batches, n_labels: torch.Tensor, scale, device: torch.device,
              poison: bool = False) -> torch.Tensor:
@@ -246,3 +248,42 @@ class Pipeline:
         total /= scale
         dist.all_reduce(total, group=self.pp_group)
         return total
+
+    @torch.no_grad()
+    def evaluate(self, batch, device: torch.device) -> torch.Tensor:
+        """The summed token loss of one batch (validation), on every pp rank: the batch goes through the stages in
+        order, not pipelined, each rank running its stages as their input arrives from the rank before."""
+        kwargs = {"position_ids": batch.position_ids}
+        if batch.document_ids is not None:
+            kwargs["document_ids"] = batch.document_ids
+        me, last = dist.get_rank(), len(self.stage_rank) - 1
+        h, total = batch.input_ids, torch.zeros((), device=device)
+        for index in sorted(self.stage_modules):
+            if index > 0 and self.stage_rank[index - 1] != me:
+                h = _receive(self.stage_rank[index - 1], device)
+            h = self.stage_modules[index](h, **kwargs)
+            if index == last:
+                loss = cross_entropy_sum(h, batch.labels)
+                total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            elif self.stage_rank[index + 1] != me:
+                _send(h, self.stage_rank[index + 1])
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _send(h: torch.Tensor, dst: int) -> None:
+    """Hidden states to global rank `dst`, after a header with their shape and dtype."""
+    dist.send(torch.tensor([*h.shape, _DTYPES.index(h.dtype)], device=h.device), dst)
+    dist.send(h.contiguous(), dst)
+
+
+def _receive(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(4, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    *shape, dtype = header.tolist()
+    h = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
+    dist.recv(h, src)
+    return h

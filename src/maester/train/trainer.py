@@ -453,8 +453,11 @@ class Trainer:
             for batch in batches:
                 batch = batch.to(self.device)
                 with self._loss_context(), autocast(self.precision, self.device):
-                    loss_sum = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
-                                          labels=batch.labels, document_offsets=batch.document_offsets)
+                    if self.pipeline is not None:  # through the stages in turn
+                        loss_sum = self.pipeline.evaluate(batch, self.device)
+                    else:
+                        loss_sum = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
+                                              labels=batch.labels, document_offsets=batch.document_offsets)
                     totals[i, 0] += full_value(loss_sum.detach())
                 totals[i, 1] += (batch.labels != IGNORE_INDEX).sum()
         self.model.train()
