@@ -91,3 +91,20 @@ def test_zbv_on_the_cpu_is_refused_where_torch_would_send_a_rank_to_itself():
             dims(2, *layout)
     else:
         assert dims(2, *layout).pp == 2
+
+
+@pytest.mark.parametrize("schedule, layers, ok", [
+    ("1F1B", [2, 2], True), ("1F1B", [1, 1, 1, 1], False), ("GPipe", [3, 1], True),
+    ("Interleaved1F1B", [1, 1, 1, 1], True), ("Interleaved1F1B", [1, 1, 1, 1, 1, 1], True),
+    ("Interleaved1F1B", [2, 2], False), ("Interleaved1F1B", [1, 1, 1, 1, 2], False),
+    ("ZBVZeroBubble", [1, 1, 1, 1], True), ("ZBVZeroBubble", [1, 1, 1, 1, 1, 1], False),
+])
+def test_pp_layers_needs_one_entry_per_stage_of_the_schedule(schedule, layers, ok):
+    layout = (f"--parallel.pp_schedule={schedule}", f"--parallel.pp_layers={layers}".replace(" ", ""),
+              f"--model.overrides.n_layers={sum(layers)}", "--training.global_batch_size=8",
+              "--training.micro_batch_size=2", "--training.device=cuda")  # cuda: no torch-specific ZBV refusal
+    if ok:
+        assert dims(2, "--parallel.pp=2", *layout).pp == 2
+    else:
+        with pytest.raises(ValueError, match="needs one per stage"):
+            dims(2, "--parallel.pp=2", *layout)

@@ -60,9 +60,12 @@ def check_pipeline(cfg: Config, n_layers: int, micro_batches: int, on_gpu: bool)
         return
     if p.pp_layers is not None:
         n = len(p.pp_layers)
-        wanted = {"1F1B": "pp", "GPipe": "pp", "ZBVZeroBubble": "2 x pp"}.get(p.pp_schedule, "a multiple of pp, "
-                                                                               "at least 2 x pp")
-        ok = {"pp": n == p.pp, "2 x pp": n == 2 * p.pp}.get(wanted, n % p.pp == 0 and n >= 2 * p.pp)
+        if p.pp_schedule in SINGLE_STAGE:
+            ok, wanted = n == p.pp, "pp"
+        elif p.pp_schedule == "ZBVZeroBubble":
+            ok, wanted = n == 2 * p.pp, "2 x pp"
+        else:  # Interleaved1F1B: any number of stages per rank from 2
+            ok, wanted = n % p.pp == 0 and n >= 2 * p.pp, "a multiple of pp, at least 2 x pp"
         if not ok:
             raise ValueError(f"parallel.pp_layers has {n} entries; parallel.pp_schedule = {p.pp_schedule!r} with "
                              f"pp = {p.pp} needs one per stage, {wanted} of them")
