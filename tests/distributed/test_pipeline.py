@@ -2,7 +2,7 @@
 job starting from the same seed checkpoint; and a checkpoint saved under pp = 2 resumes on one process.
 
 The runs mask attention within documents, so the position and document ids must reach every stage, and evaluate
-on held-out data at the end (through the stages in turn)."""
+on held-out data every second step and at the end (through the stages in turn), training on after it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.helpers import job_from_checkpoints, run_maester, torchrun, train_ref
 STEPS, SAVED = 5, 3
 BASE = dict(training__steps=STEPS, training__global_batch_size=8, training__micro_batch_size=2,
             checkpoint__interval=SAVED, checkpoint__save_final="false", schedule__warmup_steps=1,
-            model__overrides__n_layers=4, data__document_masking="true", logging__eval_interval=STEPS)
+            model__overrides__n_layers=4, data__document_masking="true", logging__eval_interval=2)
 
 LAYOUTS = {  # name: (processes, overrides)
     "pp2_1f1b_uneven": (2, {"parallel__pp_schedule": "1F1B", "parallel__pp_layers": "[3,1]"}),
@@ -48,7 +48,7 @@ def reference(tmp_path_factory):
         f'[{{"path": "{corpus}", "validation_fraction": 0.1}}]')
     seed, job = train_reference(root, corpus, **BASE)
     expected = curve(job)
-    assert len(expected[STEPS]) == 3  # evaluated at the end
+    assert [s for s in sorted(expected) if len(expected[s]) == 3] == [2, 4, STEPS]  # evaluated, and trained on
     return root, corpus, seed, expected
 
 
