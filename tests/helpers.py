@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,19 +74,32 @@ def seed_job(corpus: Path, dump_dir: Path, name: str, **extra) -> Path:
     return cfg.job_dir
 
 
-def train_seeded_reference(root: Path, **extra) -> tuple[Path, Path, Path]:
-    """A corpus under `root`, a seed checkpoint of the tiny run (`tiny_overrides` and `extra`) copied to
-    root/seed-checkpoints for other jobs to start from, and one process's run of job "reference" from it.
-    Returns (corpus, seed checkpoints, the reference's job directory)."""
-    import shutil
-
+def train_reference(root: Path, corpus: Path, name: str = "reference", **extra) -> tuple[Path, Path]:
+    """One process trains the tiny job `name` from a seed checkpoint, which is also copied aside for other jobs to
+    start from; returns (the copy, the job directory)."""
     from maester.config import load_config
     from maester.train.trainer import Trainer, write_seed_checkpoint
 
-    corpus = write_corpus(root / "data" / "corpus.parquet")
-    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "reference", **extra), environ={})
+    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", name, **extra), environ={})
     write_seed_checkpoint(cfg, cfg.job_dir)
     seed = root / "seed-checkpoints"
     shutil.copytree(cfg.job_dir / "checkpoints", seed, symlinks=True)
     Trainer(cfg, cfg.job_dir).train()
-    return corpus, seed, cfg.job_dir
+    return seed, cfg.job_dir
+
+
+def train_seeded_reference(root: Path, **extra) -> tuple[Path, Path, Path]:
+    """`train_reference` on a new corpus under `root`; returns (corpus, seed checkpoints, job directory)."""
+    corpus = write_corpus(root / "data" / "corpus.parquet")
+    return corpus, *train_reference(root, corpus, **extra)
+
+
+def job_from_checkpoints(root: Path, corpus: Path, checkpoints: Path, name: str, **extra) -> Path:
+    """A tiny job made by `maester submit --no-submit` whose checkpoints are a copy of `checkpoints`."""
+    overrides = tiny_overrides(corpus, root / "jobs", name, **extra)
+    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *overrides], root)
+    assert out.returncode == 0, out.stderr
+    job = root / "jobs" / name
+    shutil.rmtree(job / "checkpoints")
+    shutil.copytree(checkpoints, job / "checkpoints", symlinks=True)
+    return job

@@ -204,6 +204,12 @@ class ParallelConfig(Section):
     data.seq_len must be a multiple of 2 x cp) and attends over all of it (docs/context-parallel.md)."""
     pp: int = Field(1, ge=1)
     """Pipeline parallel degree: the number of pipeline ranks the layers are split over."""
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"] = "1F1B"
+    """The pipeline schedule (torch.distributed.pipelining): 1F1B and GPipe run one stage per rank;
+    Interleaved1F1B and ZBVZeroBubble two (or, Interleaved1F1B, as many as `pp_layers` gives)."""
+    pp_layers: list[int] | None = None
+    """Layers of each pipeline stage, first to last (one entry per stage: pp x stages per rank; they sum to
+    n_layers); None: an even split, the earlier stages taking one more where it does not divide."""
     ep: int = Field(1, ge=1)
     """Expert parallel degree (MoE models): divides dp_shard; the experts are split over ep ranks."""
     fsdp_reshard_after_forward: bool = True

@@ -45,7 +45,23 @@ def test_bad_layouts(world, overrides, message):
 
 @pytest.mark.parametrize("world, overrides, message", [
     (4, ["--parallel.cp=2", "--data.seq_len=30"], "divisible by 2 x cp = 4"),
-    (2, ["--parallel.pp=2", "--model.overrides.n_layers=1"], "at least as many layers"),
+    (2, ["--parallel.pp=2", "--model.overrides.n_layers=1"], "makes 2 pipeline stages, which need at least as many"),
+    (2, ["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B", "--model.overrides.n_layers=3"],
+     "makes 4 pipeline stages, which need at least as many layers, but the model has n_layers = 3"),
+    (2, ["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble", "--parallel.pp_layers=[1,1]"],
+     "needs one per stage, 2 x pp of them"),
+    (2, ["--parallel.pp=2", "--parallel.pp_layers=[1,2]"], "sum to the model's n_layers = 2"),
+    (2, ["--parallel.pp=2", "--parallel.pp_layers=[2,0]"], "at least one layer"),
+    (1, ["--parallel.pp_layers=[2]"], "but parallel.pp = 1"),
+    (2, ["--parallel.pp=2", "--training.global_batch_size=2", "--training.micro_batch_size=2"],
+     "needs at least 2 micro-batches per step on each rank"),
+    (2, ["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B", "--model.overrides.n_layers=4",
+         "--training.global_batch_size=10", "--training.micro_batch_size=2"],
+     "5 micro-batches per step do not split into 2 rounds"),
+    (2, ["--parallel.pp=2", "--model.overrides.tie_embeddings=true"], "does not support tied embeddings"),
+    (2, ["--parallel.pp=2", "--model.name=olmoe"], "does not support a mixture-of-experts model"),
+    (4, ["--parallel.pp=2", "--parallel.dp_replicate=2", "--parallel.dp_shard=1",
+         "--training.global_batch_size=8", "--training.micro_batch_size=2"], "does not support DDP"),
     (2, ["--parallel.ep=2"], "is a dense model"),
     (4, ["--parallel.ep=3", "--model.name=olmoe"], "does not divide the model's moe.n_experts (8)"),
     (2, ["--parallel.ep=4", "--model.name=olmoe"], "must divide parallel.dp_shard = 2"),
@@ -61,10 +77,15 @@ def test_impossible_cp_pp_ep_layouts(world, overrides, message):
 
 
 def test_cp_and_pp_take_their_ranks_from_the_world():
-    d = dims(8, "--parallel.pp=2", "--parallel.cp=2", "--training.global_batch_size=8",
+    d = dims(8, "--parallel.cp=2", "--parallel.tp=2", "--training.global_batch_size=8",
              "--training.micro_batch_size=2")
-    assert (d.pp, d.cp, d.dp_shard, d.dp_size) == (2, 2, 2, 2)
+    assert (d.cp, d.tp, d.dp_shard, d.dp_size) == (2, 2, 2, 2)
     assert d.fsdp_enabled  # the cp ranks shard the weights too
+    d = dims(8, "--parallel.pp=2", "--training.global_batch_size=16", "--training.micro_batch_size=2")
+    assert (d.pp, d.dp_shard, d.dp_size) == (2, 4, 4)
+    with pytest.raises(ValueError, match="parallel.cp = 2 with parallel.pp = 2 is not supported yet"):
+        dims(8, "--parallel.pp=2", "--parallel.cp=2", "--training.global_batch_size=8",
+             "--training.micro_batch_size=2")
 
 
 def test_the_olmoe_config_lays_out_on_two_nodes_of_eight():
@@ -79,3 +100,34 @@ def test_the_olmoe_config_lays_out_on_two_nodes_of_eight():
     assert d.batch_plan(cfg, dp_rank=0).accumulation_steps == 16  # 1024 sequences of 4 per rank and micro-batch
     with pytest.raises(ValueError, match="must divide parallel.dp_shard = 4"):
         ParallelDims.from_config(cfg, 4)
+
+
+def test_zbv_on_the_cpu_is_refused_where_torch_would_send_a_rank_to_itself():
+    """torch 2.10's schedules open their links with a send to each neighbour stage, the same rank's too (the V's
+    middle stages): gloo cannot, so that torch refuses ZBV on the CPU up front; newer torch trains it."""
+    from maester.parallel.pipeline import v_schedule_sends_to_itself
+
+    layout = ("--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble", "--model.overrides.n_layers=4",
+              "--training.device=cpu", "--training.global_batch_size=8", "--training.micro_batch_size=2")
+    if v_schedule_sends_to_itself():
+        with pytest.raises(ValueError, match="gloo cannot do"):
+            dims(2, *layout)
+    else:
+        assert dims(2, *layout).pp == 2
+
+
+@pytest.mark.parametrize("schedule, layers, ok", [
+    ("1F1B", [2, 2], True), ("1F1B", [1, 1, 1, 1], False), ("GPipe", [3, 1], True),
+    ("Interleaved1F1B", [1, 1, 1, 1], True), ("Interleaved1F1B", [1, 1, 1, 1, 1, 1], True),
+    ("Interleaved1F1B", [2, 2], False), ("Interleaved1F1B", [1, 1, 1, 1, 2], False),
+    ("ZBVZeroBubble", [1, 1, 1, 1], True), ("ZBVZeroBubble", [1, 1, 1, 1, 1, 1], False),
+])
+def test_pp_layers_needs_one_entry_per_stage_of_the_schedule(schedule, layers, ok):
+    layout = (f"--parallel.pp_schedule={schedule}", f"--parallel.pp_layers={layers}".replace(" ", ""),
+              f"--model.overrides.n_layers={sum(layers)}", "--training.global_batch_size=8",
+              "--training.micro_batch_size=2", "--training.device=cuda")  # cuda: no torch-specific ZBV refusal
+    if ok:
+        assert dims(2, "--parallel.pp=2", *layout).pp == 2
+    else:
+        with pytest.raises(ValueError, match="needs one per stage"):
+            dims(2, "--parallel.pp=2", *layout)

@@ -124,7 +124,8 @@ class Transformer(nn.Module):
         hidden_std = std / math.sqrt(self.args.width_mult)  # m = 1 without μP
         # Residual-branch outputs are scaled down with depth (GPT-2) so activations stay O(1).
         out_std = hidden_std / math.sqrt(2 * self.args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.tok_embeddings is not None:  # None: a pipeline stage after the first
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
         for module in self.modules():
             if isinstance(module, (RMSNorm, nn.LayerNorm, RotaryEmbedding)):
                 module.reset_parameters()
@@ -176,20 +177,23 @@ class Transformer(nn.Module):
         `cache` only, is 0 on the left padding of a batch of prompts, which no other token attends to (pass their
         `position_ids` too, counted from each row's first token).
         """
-        bsz, seq = input_ids.shape
+        # Without the embedding (a later pipeline stage) `input_ids` are the previous stage's hidden states, which
+        # may be sequence-sharded (TP): the sizes come from position_ids.
+        first = self.tok_embeddings is not None
+        bsz, seq = (input_ids if first else position_ids).shape[:2]
         device = input_ids.device
         start = cache.length if cache is not None else 0
         if position_ids is None and start:
             position_ids = torch.arange(start, start + seq, device=device).expand_as(input_ids)
-        h = self.tok_embeddings(input_ids)
-        input_multiplier = self.args.embedding_multiplier  # Gemma's sqrt(dim), μP's input_alpha
+        h = self.tok_embeddings(input_ids) if first else input_ids
+        input_multiplier = self.args.embedding_multiplier if first else 1.0  # Gemma's sqrt(dim), μP's input_alpha
         if input_multiplier != 1.0:
             # In the activations' dtype, as Hugging Face's Gemma rounds its normaliser.
             h = h * torch.tensor(input_multiplier, dtype=h.dtype)
         ropes = {"global": self.rotary(position_ids, h.dtype, seq, device)}
         if "local" in self.layer_ropes:
             ropes["local"] = self.local_rotary(position_ids, h.dtype, seq, device)
-        needs_grad = torch.is_grad_enabled() and self.tok_embeddings.weight.requires_grad
+        needs_grad = torch.is_grad_enabled() and (self.tok_embeddings.weight if first else h).requires_grad
         masks = {}
         softcap = self.args.attn_logit_softcap is not None
         split = None if self.context_parallel is None or cache is not None else \
@@ -209,7 +213,8 @@ class Transformer(nn.Module):
             else:
                 masks[window] = document_attention_mask(self.args.attention, document_ids, bsz, seq, device,
                                                         needs_grad, window, document_offsets, softcap, split)
-        for i, block in enumerate(self.layers.values()):
+        for name, block in self.layers.items():
+            i = int(name)  # a pipeline stage holds some of the layers, under their indices in the whole model
             cos, sin = ropes[self.layer_ropes[i]]
             if cache is None:
                 h = block(h, cos, sin, masks[self.layer_windows[i]])
@@ -217,6 +222,8 @@ class Transformer(nn.Module):
                 h = block(h, cos, sin, masks[self.layer_windows[i]], cache.layer(i))
         if cache is not None:
             cache.length += seq
+        if self.norm is None:  # a pipeline stage before the last
+            return h
         h = self.norm(h)
         if self.args.output_multiplier != 1.0:
             # μP's output_alpha / m, on the hidden state: the same for a tied or untied, whole or sharded head.

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from maester.config import Config
 from maester.data.batch import BatchPlan
+from maester.parallel.pipeline import check_pipeline
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ class ParallelDims:
         if self.cp > 1 and args.attention == "varlen":
             raise ValueError(f"parallel.cp = {self.cp} cannot use model.attention = 'varlen' (its documents would "
                              f"span ranks): use 'auto', 'flex' or 'sdpa'")
-        if self.pp > 1 and args.n_layers < self.pp:
-            raise ValueError(f"parallel.pp = {self.pp} pipeline stages need at least as many layers, but the model "
-                             f"has n_layers = {args.n_layers}: lower parallel.pp to at most {args.n_layers}")
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(f"parallel.cp = {self.cp} with parallel.pp = {self.pp} is not supported yet (the "
+                             f"pipeline stages would need each rank's share of the sequence): set one of them to 1")
         if self.ep > 1:
             if args.moe is None:
                 raise ValueError(f"parallel.ep = {self.ep} splits a mixture of experts' experts, but "
@@ -97,6 +98,7 @@ class ParallelDims:
                 raise ValueError(f"parallel.ep = {self.ep} reads the all-to-all's split sizes on the host, which a "
                                  f"block compiled whole (parallel.compile) cannot: set parallel.compile = false")
         on_gpu = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+        check_pipeline(cfg, args.n_layers, self.batch_plan(cfg, dp_rank=0).accumulation_steps, on_gpu)
         if p.cpu_offload and not on_gpu:
             raise ValueError("parallel.cpu_offload moves FSDP shards from GPU to CPU memory; this run is on the CPU "
                              "already: set parallel.cpu_offload = false")

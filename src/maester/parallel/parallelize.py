@@ -59,8 +59,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     script applies the same "TP minus SP"."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp_mesh, _root_plan(model, sequence_parallel))
-    if model.output is None:
+    # A pipeline stage lacks the modules of the other stages (None): they have no plan.
+    plan = {name: style for name, style in _root_plan(model, sequence_parallel).items()
+            if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, plan)
+    if model.output is None and model.norm is not None:
         # Tied head: F.linear(h, tok_embeddings.weight) with the vocabulary-sharded (Shard(0)) embedding. A replicated
         # final hidden state (gathered from its sequence shards under SP) makes that a column-parallel matmul:
         # vocabulary-sharded logits (Shard(-1)) for loss_parallel, as ColwiseParallel gives an untied head.
@@ -152,7 +155,10 @@ def uses_loss_parallel(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     output = getattr(model, "output", None)
-    weight = output.weight if output is not None else model.tok_embeddings.weight
+    head = output if output is not None else model.tok_embeddings
+    if head is None:  # a pipeline rank with neither the first nor the last stage computes no loss
+        return False
+    weight = head.weight
     return isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ())
 
 

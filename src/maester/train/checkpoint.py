@@ -319,7 +319,9 @@ class Checkpointer:
             return trainer_state
         model_sd, optim_sd = get_state_dict(model, optimizer)
         hyperparameters = copy.deepcopy(optim_sd["param_groups"])
-        state = {"model": model_sd, "optimizer": optim_sd}
+        # The per-parameter state only, keyed by parameter name: the groups may differ where the checkpoint was
+        # saved (a pipeline rank's groups hold its stages' parameters).
+        state = {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
         dcp_load(state, path)
         state["optimizer"]["param_groups"] = hyperparameters
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -238,10 +238,11 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
-                   scaler: LossScaler | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP); returns the norm before clipping
-    and, with a loss `scaler` (fp16), the overflow flag, after dividing the gradients by the scale.
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, scaler: LossScaler | None = None,
+                   pp_group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip to `max_norm` by the global L2 norm over all ranks' shards (FSDP, TP) and, with `pp_group`, over the
+    pipeline stages (each rank holds its stages' parameters); returns the norm before clipping and, with a loss
+    `scaler` (fp16), the overflow flag, after dividing the gradients by the scale.
 
     Parameters on different meshes (expert parallel's experts beside the dense ones) are normed mesh by mesh and
     the norms combined, as torchtitan's clip_grad_norm_ does for EP: DTensor ops do not mix meshes."""
@@ -252,6 +253,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
     norms = [full_value(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True))
              for group in by_mesh.values()] or [torch.nn.utils.get_total_norm([], 2.0)]
     norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+    if pp_group is not None:  # torchtitan's clip_grad_norm_ combines the stages' norms the same way
+        norm = norm.square()
+        torch.distributed.all_reduce(norm, group=pp_group)
+        norm = norm.sqrt()
     overflow = None
     if scaler is not None:
         grads = [[p.grad for p in group] for group in by_mesh.values()] or [[]]

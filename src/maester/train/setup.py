@@ -13,6 +13,7 @@ import torch
 
 from maester.config import Config
 from maester.models.build import build_on_meta, materialize, materialize_for_loading, resolve_args
+from maester.models.transformer import canonical_parameter_name
 from maester.parallel.dims import ParallelDims
 from maester.parallel.parallelize import parallelize, selective_checkpointing_needs_compile
 from maester.parallel.precision import Precision
@@ -61,7 +62,9 @@ def copy_single_process_init(model: torch.nn.Module, cfg: Config, args, param_dt
     )
 
     full = materialize(build_on_meta(cfg.model, args, param_dtype), torch.device("cpu"), cfg.training.seed)
-    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+    own = {canonical_parameter_name(name) for name in model.state_dict()}  # a pipeline rank's stages: some
+    set_model_state_dict(model, {k: v for k, v in full.state_dict().items() if k in own},
+                         options=StateDictOptions(full_state_dict=True))
 
 
 def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, device: torch.device,
@@ -81,11 +84,24 @@ def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, 
                     "compiled (eager selective checkpointing around compiled flex fails or recomputes it): "
                     "compiling them although parallel.compile = false")
         parallel = parallel.model_copy(update={"compile": True})
-    model = parallelize(build_on_meta(cfg.model, args, precision.param_dtype), dims, parallel, device, precision)
     init_device = torch.device("cpu") if cfg.parallel.cpu_offload else device
+
+    def allocate(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+        if not initialise:
+            return materialize_for_loading(module, init_device, buffer_device=device)
+        return materialize(module, init_device, seed, buffer_device=device)
+
+    if dims.pp > 1:  # each pipeline stage parallelised and initialised on its own, from its own seed
+        from maester.parallel.pipeline import build_pipeline_model
+
+        model = build_pipeline_model(build_on_meta(cfg.model, args, precision.param_dtype), dims, cfg,
+                                     lambda stage: parallelize(stage, dims, parallel, device, precision),
+                                     lambda stage, index: allocate(stage, cfg.training.seed + index), device)
+    else:
+        model = allocate(parallelize(build_on_meta(cfg.model, args, precision.param_dtype), dims, parallel, device,
+                                     precision), cfg.training.seed)
     if not initialise:
-        return materialize_for_loading(model, init_device, buffer_device=device)
-    model = materialize(model, init_device, cfg.training.seed, buffer_device=device)
+        return model
     if dims.world_size > 1 and device.type == "cpu":
         copy_single_process_init(model, cfg, args, precision.param_dtype)
     return model

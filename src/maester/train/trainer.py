@@ -125,6 +125,13 @@ class Trainer:
         # Context parallel: each cp rank holds a share of its dp rank's loss; the loss sums over dp x cp.
         self.context_parallel = context_parallel_of(self.model)
         self.loss_group = self.dims.mesh["dp_cp"].get_group() if self.dims.cp > 1 else self.dp_group
+        self.pp_group = self.dims.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        self.pipeline = None  # parallel.pp > 1: the schedule that runs this rank's stages
+        if self.pp_group is not None:
+            from maester.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline(self.model, cfg.parallel.pp_schedule,
+                                     self.dims.batch_plan(cfg).accumulation_steps, self.pp_group)
         # Flags for the optimizer live with the parameters: on the CPU under parallel.cpu_offload.
         param_device = next(iter(self.model.parameters())).device
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
@@ -137,10 +144,10 @@ class Trainer:
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
         self._validation = None
         self._resume_or_initialise()
-        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d; "
+        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d x pp %d; "
                  "%d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
-                 cfg.model.name, cfg.model.flavor, f"{count_parameters(self.model):,}", self.world_size,
-                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.ep, self.dims.cp, self.dims.tp,
+                 cfg.model.name, cfg.model.flavor, f"{count_parameters(getattr(self.model, 'whole_model', self.model)):,}", self.world_size,
+                 self.dims.dp_replicate, self.dims.dp_shard, self.dims.ep, self.dims.cp, self.dims.tp, self.dims.pp,
                  self.loader.batch.accumulation_steps,
                  self.loader.batch.micro_batch, cfg.data.seq_len, self.device)
 
@@ -255,7 +262,8 @@ class Trainer:
             writer.write_event({"event": "checkpoint_damaged", "step": self.step, **record})
         run = _Run(total, writer, profiler, progress, StopRequests(self.job_dir, self.rank),
                    MetricsWindow(self.device), long_timeout=self.world_size > 1,
-                   flops_per_token=model_flops_per_token(self.model, cfg.data.seq_len),
+                   flops_per_token=model_flops_per_token(getattr(self.model, "whole_model", self.model),
+                                                         cfg.data.seq_len),
                    peak_flops=device_peak_flops(self.device))
         self.model.train()
         gc_interval = cfg.training.gc_interval
@@ -300,7 +308,7 @@ class Trainer:
         max_norm = self.cfg.training.max_grad_norm or math.inf
         try:
             loss = self._forward_backward(micro_batches, stats[0])
-            grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler)
+            grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler, self.pp_group)
             if overflow is None:
                 if self.nonfinite.observe(self.step, loss, grad_norm):
                     self.optimizer.step()
@@ -404,10 +412,13 @@ class Trainer:
         scale = self.dims.dp_size * self.dims.cp if (self.dims.fsdp_enabled or self.dims.ddp_enabled) else 1
         if self.scaler is not None:
             scale = self.scaler.scale * scale
-        total = torch.zeros((), device=self.device)
         nan = fault_at("nan_loss", self.step)
         anomaly = torch.autograd.detect_anomaly(check_nan=True) if self.cfg.training.detect_anomaly else \
             contextlib.nullcontext()
+        if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
+            with self._loss_context(), autocast(self.precision, self.device), anomaly:
+                return self.pipeline.step(micro_batches, n_labels, scale, self.device, poison=nan)
+        total = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro_batches):
             if self.dims.ddp_enabled:  # DDP all-reduces the gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
@@ -451,8 +462,11 @@ class Trainer:
                 if self.context_parallel is not None:
                     batch = self.context_parallel.shard(batch)
                 with self._loss_context(), autocast(self.precision, self.device):
-                    loss_sum = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
-                                          labels=batch.labels, document_offsets=batch.document_offsets)
+                    if self.pipeline is not None:  # through the stages in turn
+                        loss_sum = self.pipeline.evaluate(batch, self.device)
+                    else:
+                        loss_sum = self.model(batch.input_ids, batch.position_ids, batch.document_ids,
+                                              labels=batch.labels, document_offsets=batch.document_offsets)
                     totals[i, 0] += full_value(loss_sum.detach())
                 totals[i, 1] += (batch.labels != IGNORE_INDEX).sum()
         self.model.train()
