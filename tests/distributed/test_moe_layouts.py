@@ -35,6 +35,8 @@ LAYOUTS = {
                                 "parallel__activation_checkpointing": "full"}),
     "tp2": (2, {"parallel__tp": 2, "parallel__dp_shard": 1}),
     "fsdp2_tp2": (4, {"parallel__tp": 2}),  # the tp-split experts and the replicated router FSDP-sharded too
+    # experts split by expert over ep and by hidden unit over tp; checkpoints at step 3 for the resume test
+    "ep2_tp2": (4, {"parallel__ep": 2, "parallel__tp": 2, "checkpoint__interval": 3}),
 }
 NO_SEED = {"ep2_hsdp2x2_full_ac"}  # initialised sharded, as one process initialises (the CPU init), not from the seed
 
@@ -87,14 +89,15 @@ def test_moe_layout_matches_one_process(reference, layout):
     assert_same_run(records(job), expected)
 
 
-def test_expert_parallel_checkpoint_resumes_on_one_process(reference):
-    """Step 3's checkpoint of the ep2 run (experts as DTensors split over two ranks) loads into one process,
-    which continues the reference's losses and routing."""
+@pytest.mark.parametrize("layout", ["ep2", "ep2_tp2"])
+def test_expert_parallel_checkpoint_resumes_on_one_process(reference, layout):
+    """Step 3's checkpoint of the ep2 run (experts as DTensors split over two ranks), or of the ep2_tp2 run (split
+    by expert and by hidden unit), loads into one process, which continues the reference's losses and routing."""
     root, corpus, seed, expected = reference
-    ep_job = root / "jobs" / "ep2"
+    ep_job = root / "jobs" / layout
     if not (ep_job / "checkpoints" / "step-3").is_dir():
-        pytest.skip("needs test_moe_layout_matches_one_process[ep2]'s checkpoint")
-    job = prepare_job(root, corpus, ep_job / "checkpoints", "ep2_then_one")
+        pytest.skip(f"needs test_moe_layout_matches_one_process[{layout}]'s checkpoint")
+    job = prepare_job(root, corpus, ep_job / "checkpoints", f"{layout}_then_one")
     cfg = load_config(job / "config.json", [], environ={})
     Trainer(cfg, job).train()
     assert_same_run([r for r in records(job) if r["step"] > 3], expected, steps=range(4, STEPS + 1))

@@ -65,7 +65,10 @@ def test_bad_layouts(world, overrides, message):
     (2, ["--parallel.ep=2"], "is a dense model"),
     (4, ["--parallel.ep=3", "--model.name=olmoe"], "does not divide the model's moe.n_experts (8)"),
     (2, ["--parallel.ep=4", "--model.name=olmoe"], "must divide parallel.dp_shard = 2"),
-    (4, ["--parallel.ep=2", "--parallel.tp=2", "--model.name=olmoe"], "parallel.ep = 2 with parallel.tp = 2 is not"),
+    (4, ["--parallel.ep=2", "--parallel.pp=2", "--model.name=olmoe"], "parallel.ep = 2 with parallel.pp = 2 is not"),
+    (2, ["--parallel.tp=2", "--parallel.dp_shard=1", "--model.name=olmoe",
+         "--model.overrides.moe.expert_hidden_dim=33"],
+     "parallel.tp = 2 does not divide the model's moe.expert_hidden_dim (33)"),
     (2, ["--parallel.ep=2", "--parallel.compile=true", "--model.name=olmoe"], "set parallel.compile = false"),
     (2, ["--parallel.ep=2", "--parallel.activation_checkpointing=selective-op", "--model.name=olmoe"],
      'set parallel.activation_checkpointing = "full"'),
@@ -74,6 +77,12 @@ def test_impossible_cp_pp_ep_layouts(world, overrides, message):
     with pytest.raises(ValueError) as info:
         dims(world, *overrides)
     assert message in str(info.value)
+
+
+def test_ep_composes_with_tp():
+    """ep borrows dp_shard ranks, tp has its own: 4 processes hold dp_shard 2 (ep 2) x tp 2."""
+    d = dims(4, "--parallel.ep=2", "--parallel.tp=2", "--model.name=olmoe")
+    assert (d.dp_shard, d.ep, d.tp) == (2, 2, 2)
 
 
 def test_cp_and_pp_take_their_ranks_from_the_world():

@@ -54,6 +54,9 @@ class ParallelDims:
                 if getattr(args, name) % self.tp:
                     raise ValueError(f"parallel.tp = {self.tp} does not divide the model's {name} "
                                      f"({getattr(args, name)}): choose a tp that divides it")
+            if args.moe is not None and args.moe.expert_hidden_dim % self.tp:
+                raise ValueError(f"parallel.tp = {self.tp} does not divide the model's moe.expert_hidden_dim "
+                                 f"({args.moe.expert_hidden_dim}): choose a tp that divides it")
             if cfg.data.seq_len % self.tp:
                 raise ValueError(f"parallel.tp = {self.tp} does not divide data.seq_len = {cfg.data.seq_len} "
                                  f"(sequence parallel splits the sequence)")
@@ -84,11 +87,10 @@ class ParallelDims:
             if self.dp_shard % self.ep:
                 raise ValueError(f"parallel.ep = {self.ep} must divide parallel.dp_shard = {self.dp_shard} "
                                  f"(expert parallel borrows dp_shard ranks): make dp_shard a multiple of ep")
-            for other in ("tp", "cp", "pp"):
+            for other in ("cp", "pp"):
                 if getattr(self, other) > 1:
                     raise ValueError(f"parallel.ep = {self.ep} with parallel.{other} = {getattr(self, other)} is not "
-                                     f"supported yet: set parallel.{other} = 1, or parallel.ep = 1 "
-                                     + ("(tp alone splits the experts' hidden units)" if other == "tp" else ""))
+                                     f"supported yet: set parallel.{other} = 1, or parallel.ep = 1")
             if p.activation_checkpointing == "selective-op":
                 raise ValueError(f"parallel.ep = {self.ep} gives the experts an FSDP unit of their own inside each "
                                  f"block, whose hooks selective checkpointing cannot replay (torch's selective "

@@ -7,6 +7,7 @@
 - tensor parallel (`moe_tensor_parallel_plan`): every tp rank routes all tokens with a replicated router and holds
   a slice of every expert's hidden units (gate and up projections by rows, down by columns); the experts' partial
   outputs are summed over the tp ranks (torchtitan's MoE TP plan, MOE_SHARDING.md "EP off").
+- both: the tp plan first, then each expert weight split by expert over ep and by hidden unit over tp.
 
 The routed experts compute on local tensors in both; the MoE module itself is unchanged.
 """
@@ -56,15 +57,34 @@ class _ExpertDispatch:
         return all_to_all_single_autograd(out, self.input_splits, self.output_splits, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
-    """Split every MoE layer's experts over `ep_mesh` (contiguous blocks of n_experts / ep per rank, the order the
-    tokens are sorted in) and route their tokens there and back."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+def apply_expert_parallel(model: nn.Module, mesh) -> None:
+    """Split every MoE layer's experts over the "ep" mesh (contiguous blocks of n_experts / ep per rank, the order
+    the tokens are sorted in) and route their tokens there and back.
 
+    `mesh`: the 1-D "ep" mesh, or under tensor parallel the 2-D ("ep", "tp") mesh, applied after
+    `moe_tensor_parallel_plan` has split the experts' hidden units over tp: each weight becomes a DTensor split by
+    expert over ep and by hidden unit over tp (torchtitan's ExpertTensorParallel, torchtitan/distributed/
+    expert_parallel.py before pytorch/torchtitan#3167). Every tp rank routes the same tokens, so the all-to-all over
+    ep (among the ranks of one tp index) brings each the same tokens as its tp peers; the tp plan's hooks, registered
+    first, run first: the partial outputs are summed over tp before the combine, the input gradients after it."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    ep_mesh = mesh["ep"] if mesh.ndim == 2 else mesh
+    ep_rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     for moe in moe_layers(model):
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            if mesh.ndim == 1:
+                sharded = distribute_tensor(param.data, mesh, [Shard(0)])
+            else:
+                if not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names != ("tp",):
+                    raise ValueError(f"apply_expert_parallel on an (ep, tp) mesh needs the experts' {name} split "
+                                     f"over tp first: apply the tensor parallel plan before expert parallel")
+                local = param.to_local()  # every expert, this tp rank's hidden units; keep this ep rank's experts
+                n = local.shape[0] // ep
+                sharded = DTensor.from_local(local[ep_rank * n:(ep_rank + 1) * n].clone(), mesh,
+                                             [Shard(0), *param.placements], run_check=False,
+                                             shape=param.shape, stride=param.stride())
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         hooks = _ExpertDispatch(ep_mesh)
         experts.register_forward_pre_hook(hooks.dispatch)

@@ -1,5 +1,6 @@
 """Apply a parallel layout to a single-device model, in one fixed order: context parallel ->
-tensor/sequence parallel -> activation checkpointing -> per-block compile -> FSDP2 per block, then root (or DDP).
+tensor/sequence parallel -> expert parallel -> activation checkpointing -> per-block compile -> FSDP2 per block,
+then root (or DDP).
 
 Everything here is plain torch.distributed: DTensor `parallelize_module`, `checkpoint_wrapper`, `fully_shard`,
 `replicate`. The model must be on the meta device or already materialised; nothing here initialises weights.
@@ -28,7 +29,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"])
     if dims.ep > 1:
-        apply_expert_parallel(model, dims.mesh["ep"])
+        apply_expert_parallel(model, dims.mesh["ep", "tp"] if dims.tp > 1 else dims.mesh["ep"])
     if cfg.activation_checkpointing != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_every)
     if cfg.compile:
