@@ -1,8 +1,10 @@
 """Run under torchrun with 2 processes (gloo, CPU): one MoE layer with its experts split over the two ranks
 (`apply_expert_parallel`), each rank with its own tokens, against the same layer on one process with all the
-tokens: outputs, input gradients, the experts' gradients (this rank's experts) and the router's (summed over the
-ranks). Twice: routing spread over all experts, and skewed so that every token goes to rank 0's experts (rank 1
-receives none). Raises on a mismatch; rank 0 writes argv[1] when all passed."""
+tokens: outputs, input gradients, the experts' gradients (gathered) and the router's (summed over the ranks).
+Twice: routing spread over all experts, and skewed so that every token goes to ep rank 0's experts (ep rank 1
+receives none). With 4 processes: ep 2 x tp 2, the experts' hidden units split over tp as well (the tp plan, then
+expert parallel); the two tp ranks of an ep rank hold the same tokens. Raises on a mismatch; rank 0 writes argv[1]
+when all passed."""
 
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ from torch.distributed.tensor import DTensor
 
 from maester.models.args import MoEArgs
 from maester.models.moe import MoEFeedForward
-from maester.parallel.expert_parallel import apply_expert_parallel
+from maester.parallel.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan
 
 dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+world = dist.get_world_size()
+tp = 2 if world == 4 else 1  # 4 processes: ep 2 x tp 2, the tp plan applied first as parallelize does
+mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("ep", "tp"))
+rank = mesh["ep"].get_local_rank()  # the tp ranks of one ep rank hold the same tokens
+world //= tp  # the ep ranks, each with its own tokens
 torch.set_num_threads(1)
 
 for case in ("spread", "skewed"):
@@ -37,7 +42,13 @@ for case in ("spread", "skewed"):
     x_all = torch.randn(2 * 12, 16, requires_grad=True)
     grad_all = torch.randn(2 * 12, 16)
     ep = copy.deepcopy(one)
-    apply_expert_parallel(ep, mesh)
+    if tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        block = torch.nn.Module()
+        block.feed_forward = ep
+        parallelize_module(block, mesh["tp"], moe_tensor_parallel_plan(ep, "feed_forward", sequence_parallel=False))
+    apply_expert_parallel(ep, mesh if tp > 1 else mesh["ep"])
 
     expected = one(x_all)
     (expected * grad_all).sum().backward()
@@ -47,25 +58,25 @@ for case in ("spread", "skewed"):
     (out * grad_all[rows]).sum().backward()
 
     gate_proj = ep.experts.gate_proj
-    assert isinstance(gate_proj, DTensor) and gate_proj.to_local().shape[0] == 8 // world, case
+    assert isinstance(gate_proj, DTensor) and gate_proj.to_local().shape[:2] == (8 // world, 16 // tp), case
     torch.testing.assert_close(out, expected[rows], msg=lambda m: f"{case} output: {m}")
     torch.testing.assert_close(x.grad, x_all.grad[rows], msg=lambda m: f"{case} input grad: {m}")
-    mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        got = getattr(ep.experts, name).grad.to_local()
-        torch.testing.assert_close(got, getattr(one.experts, name).grad[mine], msg=lambda m: f"{case} {name}: {m}")
-    router = ep.router.gate.weight.grad.clone()
-    dist.all_reduce(router)
+    for name in ("gate_proj", "up_proj", "down_proj"):  # each rank's experts saw every rank's tokens
+        got = getattr(ep.experts, name).grad.full_tensor()
+        torch.testing.assert_close(got, getattr(one.experts, name).grad, msg=lambda m: f"{case} {name}: {m}")
+    router = ep.router.gate.weight.grad
+    router = (router.to_local() if isinstance(router, DTensor) else router).clone()  # replicated over tp
+    dist.all_reduce(router, group=mesh["ep"].get_group())
     torch.testing.assert_close(router, one.router.gate.weight.grad, msg=lambda m: f"{case} router: {m}")
     load = ep.load.clone()
-    dist.all_reduce(load)
+    dist.all_reduce(load, group=mesh["ep"].get_group())
     assert torch.equal(load, one.load), (case, load, one.load)
     if case == "skewed":
         assert load[4:].sum() == 0 and load.sum() == 2 * 24
 
-if rank == 0:
+if dist.get_rank() == 0:
     Path(sys.argv[1]).write_text("passed")
-dist.barrier()  # both ranks done before either tears the group down
+dist.barrier()  # every rank done before either tears the group down
 dist.destroy_process_group()
 # Leave without the interpreter's teardown, where a C++ thread of the group left joinable now and then aborts a
 # process that passed (as test_tp_architectures does).

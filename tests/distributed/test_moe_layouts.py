@@ -104,10 +104,11 @@ def test_expert_parallel_checkpoint_resumes_on_one_process(reference, layout):
 
 
 def test_expert_parallel_layer_equals_one_process(tmp_path):
-    """One MoE layer split over two ranks against one process with both ranks' tokens: outputs and gradients,
-    with routing spread over the experts and with every token sent to one rank (the other receives none)."""
+    """One MoE layer split over ep 2 x tp 2 (experts by expert and by hidden unit) against one process with both ep
+    ranks' tokens: outputs and gradients, with routing spread over the experts and with every token sent to one ep
+    rank (the other receives none). The script runs ep 2 alone on 2 processes; the ep2 layouts cover that here."""
     passed = tmp_path / "passed"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                           str(REPO / "tests" / "distributed" / "expert_parallel_layer.py"), str(passed)],
                          env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
