@@ -232,9 +232,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each transformer block on its own: short compiles, one graph reused by every block."""
+    """Compile each transformer block on its own: short compiles, one graph reused by every block. A block with a
+    mixture of experts may break its graph: the expert loop reads the group sizes on the host (the CPU's dispatch),
+    which fails a fullgraph compile at step 1."""
     for name, block in model.layers.named_children():
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        whole = not any(isinstance(m, MoEFeedForward) for m in block.modules())
+        model.layers.register_module(name, torch.compile(block, fullgraph=whole))
 
 
 def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device,
