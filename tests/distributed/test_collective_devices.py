@@ -82,3 +82,61 @@ def test_ddp_collectives_and_one_gradient_all_reduce_per_step(tmp_path):
     assert unserved(records) == []
     # two micro-batches per rank and step: the first accumulates without syncing, the last all-reduces
     assert sync == [False, True] * 3
+
+
+def assert_served_and_mapped(records: list[dict]) -> set[str]:
+    """No collective on a backend that cannot serve its tensors, no group without the device map; the callers."""
+    assert unserved(records) == []
+    assert all(set(r["backends"].split(",")) == {"cpu:gloo", "cuda:gloo"} for r in records), \
+        "a group lost the device map"
+    return {r["caller"] for r in records}
+
+
+def test_context_parallel_collectives_reach_a_backend_for_their_device(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.parquet")
+    records = audit(tmp_path, "cp", tiny_overrides(
+        corpus, tmp_path / "jobs", "cp", parallel__cp=2, data__document_masking="true", data__seq_len=64,
+        training__steps=3, checkpoint__interval=0, checkpoint__save_final="false"))
+    callers = assert_served_and_mapped(records)
+    ops = {(r["op"], r["caller"]) for r in records}
+    # the keys' documents and the keys and values gathered in forward (functional collectives), and their
+    # gradients reduce-scattered in backward
+    assert ("maester.cp_all_gather", "context_parallel.py:split") in ops, ops
+    assert ("maester.cp_all_gather", "context_parallel.py:gather_keys_and_values") in ops, ops
+    assert ("maester.cp_reduce_scatter", "context_parallel.py:_all_gather_backward") in ops, ops
+    assert "trainer.py:_forward_backward" in callers, callers
+    # FSDP over dp_shard x cp (torch 2.15's FSDP2 gathers with all_gather_single)
+    assert {"all_gather_single", "all_gather_into_tensor"} & {op for op, _ in ops}, ops
+
+
+def test_pipeline_collectives_and_point_to_point_reach_a_backend_for_their_device(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.parquet")
+    records = audit(tmp_path, "pp", tiny_overrides(
+        corpus, tmp_path / "jobs", "pp", parallel__pp=2, parallel__pp_schedule="1F1B",
+        model__overrides__n_layers=4, training__steps=3, training__global_batch_size=4,
+        training__micro_batch_size=1, logging__eval_interval=3, checkpoint__interval=0,
+        checkpoint__save_final="false", data__sources=f'[{{"path": "{corpus}", "validation_fraction": 0.1}}]'))
+    callers = assert_served_and_mapped(records)
+    ops = {r["op"] for r in records}
+    # the schedule's activations and gradients between the stages (torch's pipelining), the evaluation's
+    # header and hidden states (maester's own), the step loss over the stages and the gradient norm's
+    assert ops & {"isend", "irecv", "batch_isend_irecv"}, ops
+    assert {"pipeline.py:_send", "pipeline.py:_receive", "pipeline.py:step", "optim.py:clip_grad_norm"} <= callers, \
+        callers
+    assert {"send", "recv"} <= ops, ops
+
+
+def test_expert_parallel_collectives_reach_a_backend_for_their_device(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.parquet")
+    records = audit(tmp_path, "ep", tiny_overrides(
+        corpus, tmp_path / "jobs", "ep", model__name="olmoe", parallel__ep=2, training__steps=3,
+        checkpoint__interval=0, checkpoint__save_final="false"))
+    callers = assert_served_and_mapped(records)
+    ops = {(r["op"], r["caller"]) for r in records}
+    # the counts per expert exchanged (c10d), the tokens there and back (functional collectives), and in
+    # backward (called from the step's backward) the tokens' gradients the same ways
+    assert ("all_to_all_single", "expert_parallel.py:dispatch") in ops, ops
+    functional = "_c10d_functional.all_to_all_single"
+    assert {(functional, "expert_parallel.py:dispatch"), (functional, "expert_parallel.py:combine"),
+            (functional, "trainer.py:_forward_backward")} <= ops, ops
+    assert "moe.py:moe_metrics" in callers, callers
