@@ -2,7 +2,8 @@
 (`apply_expert_parallel`), each rank with its own tokens, against the same layer on one process with all the
 tokens: outputs, input gradients, the experts' gradients (this rank's experts) and the router's (summed over the
 ranks). Twice: routing spread over all experts, and skewed so that every token goes to rank 0's experts (rank 1
-receives none). Raises on a mismatch; rank 0 writes argv[1] when all passed."""
+receives none). The split layer's forward and backward run no op that would wait for the GPU but the one read of
+the all-to-all's splits (a `tolist`, not an op). Raises on a mismatch; rank 0 writes argv[1] when all passed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from torch.distributed.tensor import DTensor
 from maester.models.args import MoEArgs
 from maester.models.moe import MoEFeedForward
 from maester.parallel.expert_parallel import apply_expert_parallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.helpers
+from tests.helpers import DeviceReads  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -43,8 +47,10 @@ for case in ("spread", "skewed"):
     (expected * grad_all).sum().backward()
     rows = slice(rank * 12, (rank + 1) * 12)
     x = x_all.detach()[rows].clone().requires_grad_()
-    out = ep(x)
-    (out * grad_all[rows]).sum().backward()
+    with DeviceReads() as reads:
+        out = ep(x)
+        (out * grad_all[rows]).sum().backward()
+    assert reads.calls == [], (case, reads.calls)
 
     gate_proj = ep.experts.gate_proj
     assert isinstance(gate_proj, DTensor) and gate_proj.to_local().shape[0] == 8 // world, case

@@ -312,31 +312,16 @@ def test_grouped_gemm_on_cuda_trains_like_the_loop():
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
 
 
-# Ops whose CUDA kernels read a device value back to the host (the GPU queue drains): bincount reads the max,
-# nonzero and masked_select the count, repeat_interleave without output_size the total.
-DEVICE_READS = {"aten.bincount.default", "aten.nonzero.default", "aten.masked_select.default",
-                "aten._local_scalar_dense.default", "aten.unique_dim.default", "aten._unique2.default"}
-
 
 def test_routing_reads_nothing_back_from_the_device():
     """The layer's routing, forward and backward, runs no op that waits for the GPU (on the CPU the ops show
     it: a CUDA run is not needed to see which ones it calls). The expert loop's split sizes are not ops."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    calls: list[str] = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if str(func) in DEVICE_READS or (str(func) == "aten.repeat_interleave.Tensor"
-                                             and kwargs.get("output_size") is None):
-                calls.append(str(func))
-            return func(*args, **kwargs)
+    from tests.helpers import DeviceReads
 
     layer = make_layer()
     x = torch.randn(20, 16, requires_grad=True)
-    with Record():
+    with DeviceReads() as reads:
         out = layer(x)
         (out.sum() + layer.aux_loss).backward()
-    assert calls == []
+    assert reads.calls == []
     assert layer.load.sum() == 20 * 2  # every token's top-2 counted
