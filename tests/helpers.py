@@ -112,6 +112,12 @@ DEVICE_READS = {"aten.bincount.default", "aten.nonzero.default", "aten.masked_se
                 "aten._local_scalar_dense.default", "aten.unique_dim.default", "aten._unique2.default"}
 
 
+def reads_device_value(func, kwargs: dict) -> bool:
+    """Whether the op `func` (an OpOverload) with `kwargs` reads a device value back on CUDA."""
+    return str(func) in DEVICE_READS or (str(func) == "aten.repeat_interleave.Tensor"
+                                         and kwargs.get("output_size") is None)
+
+
 def DeviceReads():
     """A dispatch mode that lists in `.calls` the ops run under it that read a device value back on CUDA
     (`DEVICE_READS`); on the CPU they show which a GPU run would call. Host reads that are not ops (`tolist`)
@@ -125,8 +131,7 @@ def DeviceReads():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if str(func) in DEVICE_READS or (str(func) == "aten.repeat_interleave.Tensor"
-                                             and kwargs.get("output_size") is None):
+            if reads_device_value(func, kwargs):
                 self.calls.append(str(func))
             return func(*args, **kwargs)
 

@@ -2,7 +2,8 @@
 that records every c10d collective and point-to-point op (as torch's pipelining and maester's call them) and every
 functional collective (`torch.ops._c10d_functional`, context parallel's custom ops, expert parallel's
 all_to_all_single_autograd): its op, the device of each tensor handed to it, the device->backend map of its group,
-and the maester function that called it (in backward: the one that called backward). Writes `<out>/rank-<R>.json`.
+and the maester function that called it (in backward: the one that called backward). Writes `<out>/rank-<R>.json`,
+and the host reads of tensors and ops that read a device value back on CUDA, by step, to `<out>/reads-<R>.json`.
 
 On the CPU every tensor is a host tensor, so `unserved` cannot flag one here: the CPU runs check that every group
 kept the map and that each path's callers took part, and the records show which tensors each call site hands over.
@@ -27,6 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.helpers
+from tests.helpers import reads_device_value  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter", "broadcast",
        "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "all_gather_object",
@@ -56,18 +60,35 @@ def caller() -> str:
     return "?"
 
 
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+"""Tensor methods that read a value on the host: on a GPU each waits for the queued kernels."""
+
+
+def record_read(reads: list[dict], what: str, step: int) -> None:
+    """A host read at `step`, unless under maester.data (the loader and `Batch` work on host tensors by design:
+    `Batch` counts documents only off the GPU) or torch's optimizer step count."""
+    stack = traceback.extract_stack()[:-2]
+    frames = [f for f in stack if "/maester/" in f.filename]
+    if frames and not any("/maester/data/" in f.filename for f in frames) \
+            and "/torch/optim/" not in stack[-1].filename:
+        reads.append({"read": what, "step": step, "caller": f"{Path(frames[-1].filename).name}:{frames[-1].name}"})
+
+
 class FunctionalCollectives(TorchDispatchMode):
     """Records every op that names its process group (`group_name`): the functional collectives
     (torch.ops._c10d_functional, their autograd variants, maester's custom ops over them), which run in C++ and
     bypass the c10d Python functions patched above. Ops dispatched inside another op (a DTensor op's own
-    redistribution) are not seen: the mode is off while it handles one."""
+    redistribution) are not seen: the mode is off while it handles one. Also records in `reads` the ops that
+    read a device value back on CUDA (`tests.helpers.reads_device_value`) at `trainer.step`."""
 
-    def __init__(self, records: list[dict]):
+    def __init__(self, records: list[dict], reads: list[dict], trainer):
         super().__init__()
-        self.records = records
+        self.records, self.reads, self.trainer = records, reads, trainer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if reads_device_value(func, kwargs):
+            record_read(self.reads, str(func), self.trainer.step)
         names = [a.name for a in func._schema.arguments]
         if "group_name" in names:
             bound = {**dict(zip(names, args)), **kwargs}
@@ -125,9 +146,18 @@ def main() -> None:
 
         trainer.model.register_forward_pre_hook(
             lambda module, args: ddp_sync.append(not replicate.state(module)._no_sync) if module.training else None)
-    with FunctionalCollectives(records):
+    reads: list[dict] = []  # host reads of tensors and device-read ops, with their step
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, _name=name, _original=original, **kwargs):
+            record_read(reads, _name, trainer.step)
+            return _original(self, *args, **kwargs)
+        setattr(torch.Tensor, name, read)
+    with FunctionalCollectives(records, reads, trainer):
         trainer.train()
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"reads-{dist.get_rank()}.json").write_text(json.dumps(reads))
     (out_dir / f"rank-{dist.get_rank()}.json").write_text(json.dumps(records))
     (out_dir / f"ddp-sync-{dist.get_rank()}.json").write_text(json.dumps(ddp_sync))
     dist.destroy_process_group()
