@@ -1,4 +1,5 @@
-"""Test helpers: a small real Parquet corpus, the overrides of a tiny fast run, running the CLI."""
+"""Test helpers: a small real Parquet corpus, the overrides of a tiny fast run, running the CLI, the ops that
+would wait for a GPU."""
 
 from __future__ import annotations
 
@@ -103,3 +104,35 @@ def job_from_checkpoints(root: Path, corpus: Path, checkpoints: Path, name: str,
     shutil.rmtree(job / "checkpoints")
     shutil.copytree(checkpoints, job / "checkpoints", symlinks=True)
     return job
+
+
+# Ops whose CUDA kernels read a device value back to the host (the GPU queue drains): bincount reads the max,
+# nonzero and masked_select the count, repeat_interleave without output_size the total.
+DEVICE_READS = {"aten.bincount.default", "aten.nonzero.default", "aten.masked_select.default",
+                "aten._local_scalar_dense.default", "aten.unique_dim.default", "aten._unique2.default"}
+
+
+def reads_device_value(func, kwargs: dict) -> bool:
+    """Whether the op `func` (an OpOverload) with `kwargs` reads a device value back on CUDA."""
+    return str(func) in DEVICE_READS or (str(func) == "aten.repeat_interleave.Tensor"
+                                         and kwargs.get("output_size") is None)
+
+
+def DeviceReads():
+    """A dispatch mode that lists in `.calls` the ops run under it that read a device value back on CUDA
+    (`DEVICE_READS`); on the CPU they show which a GPU run would call. Host reads that are not ops (`tolist`)
+    are not seen."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if reads_device_value(func, kwargs):
+                self.calls.append(str(func))
+            return func(*args, **kwargs)
+
+    return Mode()

@@ -3,8 +3,9 @@
 tokens: outputs, input gradients, the experts' gradients (gathered) and the router's (summed over the ranks).
 Twice: routing spread over all experts, and skewed so that every token goes to ep rank 0's experts (ep rank 1
 receives none). With 4 processes: ep 2 x tp 2, the experts' hidden units split over tp as well (the tp plan, then
-expert parallel); the two tp ranks of an ep rank hold the same tokens. Raises on a mismatch; rank 0 writes argv[1]
-when all passed."""
+expert parallel); the two tp ranks of an ep rank hold the same tokens. The split layer's forward and backward run no op
+that would wait for the GPU but the one read of the all-to-all's splits (a `tolist`, not an op). Raises on a
+mismatch; rank 0 writes argv[1] when all passed."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from torch.distributed.tensor import DTensor
 from maester.models.args import MoEArgs
 from maester.models.moe import MoEFeedForward
 from maester.parallel.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.helpers
+from tests.helpers import DeviceReads  # noqa: E402
 
 dist.init_process_group("gloo")
 world = dist.get_world_size()
@@ -54,8 +58,10 @@ for case in ("spread", "skewed"):
     (expected * grad_all).sum().backward()
     rows = slice(rank * 12, (rank + 1) * 12)
     x = x_all.detach()[rows].clone().requires_grad_()
-    out = ep(x)
-    (out * grad_all[rows]).sum().backward()
+    with DeviceReads() as reads:
+        out = ep(x)
+        (out * grad_all[rows]).sum().backward()
+    assert reads.calls == [], (case, reads.calls)
 
     gate_proj = ep.experts.gate_proj
     assert isinstance(gate_proj, DTensor) and gate_proj.to_local().shape[:2] == (8 // world, 16 // tp), case

@@ -310,3 +310,18 @@ def test_grouped_gemm_on_cuda_trains_like_the_loop():
         results[dispatch] = (out.float(), layer.experts.gate_proj.grad.clone(), layer.router.gate.weight.grad.clone())
     for got, want in zip(results["auto"], results["loop"]):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+
+def test_routing_reads_nothing_back_from_the_device():
+    """The layer's routing, forward and backward, runs no op that waits for the GPU (on the CPU the ops show
+    it: a CUDA run is not needed to see which ones it calls). The expert loop's split sizes are not ops."""
+    from tests.helpers import DeviceReads
+
+    layer = make_layer()
+    x = torch.randn(20, 16, requires_grad=True)
+    with DeviceReads() as reads:
+        out = layer(x)
+        (out.sum() + layer.aux_loss).backward()
+    assert reads.calls == []
+    assert layer.load.sum() == 20 * 2  # every token's top-2 counted

@@ -145,7 +145,8 @@ class MoEFeedForward(nn.Module):
         logits, scores, weights, indices = self.router(x)
         flat = indices.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.moe.n_experts)
+        # Not bincount: on CUDA it reads the indices' max back to the host (a sync per MoE layer).
+        counts = flat.new_zeros(self.moe.n_experts).scatter_add_(0, flat, torch.ones_like(flat))
         token = order // self.moe.top_k
         routed = self.experts(x[token], counts)
         routed = routed * weights.reshape(-1)[order, None].to(routed.dtype)

@@ -34,7 +34,7 @@ class _ExpertDispatch:
 
     def dispatch(self, module, args):
         """(tokens sorted by expert, counts per expert of all E) -> (tokens of this rank's experts sorted by local
-        expert, counts per local expert): one count exchange, one host read of the splits, one token all-to-all."""
+        expert, counts per local expert): one count exchange, one host read of the splits (as torchtitan's token dispatch), one token all-to-all."""
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         x, counts = args
@@ -46,7 +46,8 @@ class _ExpertDispatch:
         # The tokens arrive grouped by source rank, then by local expert: regroup them by local expert.
         per_source = received.view(self.ep, -1)
         local = torch.arange(per_source.numel(), device=counts.device) % per_source.shape[1]
-        self.order = local.repeat_interleave(per_source.reshape(-1)).argsort(stable=True)
+        # output_size: the length known on the host; without it repeat_interleave waits for the device
+        self.order = local.repeat_interleave(per_source.reshape(-1), output_size=x.shape[0]).argsort(stable=True)
         return x[self.order], per_source.sum(0)
 
     def combine(self, module, args, out):
