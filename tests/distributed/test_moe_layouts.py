@@ -29,6 +29,7 @@ BASE = dict(model__name="olmoe", training__steps=STEPS, training__global_batch_s
 LAYOUTS = {
     # ep 2 over dp_shard 2: the experts split, dense weights FSDP; checkpoints at step 3 for the resume test
     "ep2": (2, {"parallel__ep": 2, "checkpoint__interval": 3}),
+    "ep2_compile": (2, {"parallel__ep": 2, "parallel__compile": "true"}),  # the MoE blocks with graph breaks
     "ep2_fsdp4": (4, {"parallel__ep": 2}),  # experts FSDP-sharded over dp_shard / ep = 2 as well
     # experts replicated over 2 groups, every block recomputed in backward (its all-to-alls too)
     "ep2_hsdp2x2_full_ac": (4, {"parallel__ep": 2, "parallel__dp_replicate": 2,

@@ -69,7 +69,6 @@ def test_bad_layouts(world, overrides, message):
     (2, ["--parallel.tp=2", "--parallel.dp_shard=1", "--model.name=olmoe",
          "--model.overrides.moe.expert_hidden_dim=33"],
      "parallel.tp = 2 does not divide the model's moe.expert_hidden_dim (33)"),
-    (2, ["--parallel.ep=2", "--parallel.compile=true", "--model.name=olmoe"], "set parallel.compile = false"),
     (2, ["--parallel.ep=2", "--parallel.activation_checkpointing=selective-op", "--model.name=olmoe"],
      'set parallel.activation_checkpointing = "full"'),
 ])

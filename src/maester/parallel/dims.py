@@ -96,9 +96,6 @@ class ParallelDims:
                                  f"block, whose hooks selective checkpointing cannot replay (torch's selective "
                                  f"checkpointing matches every profiler marker of the recompute to the forward's): "
                                  f"set parallel.activation_checkpointing = \"full\"")
-            if p.compile:
-                raise ValueError(f"parallel.ep = {self.ep} reads the all-to-all's split sizes on the host, which a "
-                                 f"block compiled whole (parallel.compile) cannot: set parallel.compile = false")
         on_gpu = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
         check_pipeline(cfg, args.n_layers, self.batch_plan(cfg, dp_rank=0).accumulation_steps, on_gpu)
         if p.cpu_offload and not on_gpu:
