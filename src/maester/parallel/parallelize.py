@@ -35,15 +35,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
     if cfg.compile:
         apply_compile(model)
     if dims.fsdp_enabled:
-        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # the cp ranks of a dp rank hold the same weights
-        mesh = dims.mesh["dp_replicate", shard] if dims.dp_replicate > 1 else dims.mesh[shard]
-        # Experts split over ep are FSDP-sharded over the rest of the dp ranks, dividing their gradients by the
-        # whole dp size as the dense ones are (torchtitan's apply_fsdp for MoE).
-        experts = None
-        if dims.ep > 1:
-            experts = dims.mesh["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else \
-                dims.mesh["dp_shard_mod_ep"]
-        apply_fsdp(model, mesh, cfg, device, precision, experts_mesh=experts, experts_divide=dims.dp_size)
+        def sharded_over(shard: str):  # HSDP: replicated over dp_replicate too
+            return dims.mesh["dp_replicate", shard] if dims.dp_replicate > 1 else dims.mesh[shard]
+
+        # The cp ranks of a dp rank hold the same weights. Experts split over ep are FSDP-sharded over the rest of
+        # the dp ranks, dividing their gradients by the whole dp size as the dense ones are (torchtitan's apply_fsdp
+        # for MoE).
+        experts = sharded_over("dp_shard_mod_ep") if dims.ep > 1 else None
+        apply_fsdp(model, sharded_over("dp_shard_cp" if dims.cp > 1 else "dp_shard"), cfg, device, precision,
+                   experts_mesh=experts, experts_divide=dims.dp_size)
     elif dims.ddp_enabled:
         from torch.distributed._composable import replicate
 

@@ -115,6 +115,8 @@ class Trainer:
         self._resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
         self.model = build_training_model(cfg, self.tokenizer.vocab_size, self.dims, self.device, self.precision,
                                           initialise=not self._resuming)
+        # Parameters and FLOPs are counted on the whole model: under pp this rank holds some stages only.
+        self.whole_model = getattr(self.model, "whole_model", self.model)
         if self.precision.loss_scaling:
             self.scaler = LossScaler(next(iter(self.model.parameters())).device)
         self.loss_parallel = uses_loss_parallel(self.model)
@@ -144,9 +146,9 @@ class Trainer:
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
         self._validation = None
         self._resume_or_initialise()
-        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d x pp %d; "
-                 "%d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
-                 cfg.model.name, cfg.model.flavor, f"{count_parameters(getattr(self.model, 'whole_model', self.model)):,}", self.world_size,
+        log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
+                 "x pp %d; %d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
+                 cfg.model.name, cfg.model.flavor, f"{count_parameters(self.whole_model):,}", self.world_size,
                  self.dims.dp_replicate, self.dims.dp_shard, self.dims.ep, self.dims.cp, self.dims.tp, self.dims.pp,
                  self.loader.batch.accumulation_steps,
                  self.loader.batch.micro_batch, cfg.data.seq_len, self.device)
@@ -262,8 +264,7 @@ class Trainer:
             writer.write_event({"event": "checkpoint_damaged", "step": self.step, **record})
         run = _Run(total, writer, profiler, progress, StopRequests(self.job_dir, self.rank),
                    MetricsWindow(self.device), long_timeout=self.world_size > 1,
-                   flops_per_token=model_flops_per_token(getattr(self.model, "whole_model", self.model),
-                                                         cfg.data.seq_len),
+                   flops_per_token=model_flops_per_token(self.whole_model, cfg.data.seq_len),
                    peak_flops=device_peak_flops(self.device))
         self.model.train()
         gc_interval = cfg.training.gc_interval
