@@ -69,9 +69,10 @@ def main() -> None:
     for name, run in (("transformers", run_peer), ("maester", run_ours)):
         with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
             run()
-        by_op[name] = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+        events = prof.key_averages()
+        by_op[name] = {e.key: e.self_cpu_time_total / 1e3 for e in events}
         if name == "maester":
-            matmul_flops = sum(e.flops for e in prof.key_averages() if group_of(e.key) == "matmul")
+            matmul_flops = sum(e.flops for e in events if group_of(e.key) == "matmul")
     totals = {name: defaultdict(float) for name in by_op}
     for name, ops in by_op.items():
         for op, ms in ops.items():

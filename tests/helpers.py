@@ -95,14 +95,16 @@ def train_seeded_reference(root: Path, **extra) -> tuple[Path, Path, Path]:
     return corpus, *train_reference(root, corpus, **extra)
 
 
-def job_from_checkpoints(root: Path, corpus: Path, checkpoints: Path, name: str, **extra) -> Path:
-    """A tiny job made by `maester submit --no-submit` whose checkpoints are a copy of `checkpoints`."""
+def job_from_checkpoints(root: Path, corpus: Path, checkpoints: Path | None, name: str, **extra) -> Path:
+    """A tiny job made by `maester submit --no-submit` whose checkpoints are a copy of `checkpoints` (None: the
+    job's own, none yet)."""
     overrides = tiny_overrides(corpus, root / "jobs", name, **extra)
     out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *overrides], root)
     assert out.returncode == 0, out.stderr
     job = root / "jobs" / name
-    shutil.rmtree(job / "checkpoints")
-    shutil.copytree(checkpoints, job / "checkpoints", symlinks=True)
+    if checkpoints is not None:
+        shutil.rmtree(job / "checkpoints")
+        shutil.copytree(checkpoints, job / "checkpoints", symlinks=True)
     return job
 
 

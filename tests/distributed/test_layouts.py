@@ -6,12 +6,11 @@ Each job starts from the same seed checkpoint, so the only difference between ru
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
 from maester.train.metrics import read_metrics
-from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, torchrun, train_seeded_reference
+from tests.helpers import job_from_checkpoints, torchrun, train_seeded_reference
 
 STEPS = 5
 BASE = dict(training__steps=STEPS, training__global_batch_size=8, training__micro_batch_size=2,
@@ -45,14 +44,7 @@ NO_SEED = {"fsdp2_tp2"}
 
 
 def prepare_job(root, corpus, seed, name, **extra):
-    job = root / "jobs" / name
-    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, **{**BASE, **extra})],
-                      root)
-    assert out.returncode == 0, out.stderr
-    if name not in NO_SEED:
-        shutil.rmtree(job / "checkpoints")
-        shutil.copytree(seed, job / "checkpoints", symlinks=True)
-    return job
+    return job_from_checkpoints(root, corpus, None if name in NO_SEED else seed, name, **{**BASE, **extra})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -9,7 +9,6 @@ resumes on one process.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import pytest
 from maester.config import load_config
 from maester.train.metrics import read_metrics
 from maester.train.trainer import Trainer
-from tests.helpers import DEMO_CONFIG, REPO, clean_env, run_maester, tiny_overrides, torchrun, train_seeded_reference
+from tests.helpers import REPO, clean_env, job_from_checkpoints, torchrun, train_seeded_reference
 
 STEPS = 5
 BASE = dict(model__name="olmoe", training__steps=STEPS, training__global_batch_size=8,
@@ -55,14 +54,7 @@ def reference(tmp_path_factory):
 
 
 def prepare_job(root, corpus, checkpoints, name, **extra):
-    job = root / "jobs" / name
-    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG),
-                       *tiny_overrides(corpus, root / "jobs", name, **{**BASE, **extra})], root)
-    assert out.returncode == 0, out.stderr
-    if checkpoints is not None:
-        shutil.rmtree(job / "checkpoints")
-        shutil.copytree(checkpoints, job / "checkpoints", symlinks=True)
-    return job
+    return job_from_checkpoints(root, corpus, checkpoints, name, **{**BASE, **extra})
 
 
 def assert_same_run(got: list[dict], expected: list[dict], steps=range(1, STEPS + 1)):

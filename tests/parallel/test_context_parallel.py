@@ -12,7 +12,6 @@ from maester.models.layers import ContextSplit, attend, attention_mask, document
 from maester.parallel.context_parallel import ContextParallel
 from maester.parallel.dims import ParallelDims
 from tests.helpers import REPO
-from tests.parallel.test_dims import dims
 
 LONG_CONTEXT = REPO / "configs" / "llama3" / "8b-sft-long-context.toml"
 
@@ -84,17 +83,6 @@ def test_a_ranks_attention_is_its_rows_of_the_whole_attention(backend, window, d
         for name, got, want in zip("qkv", torch.autograd.grad(total, (q, k, v)), expected_grads):
             err = (got - want).norm() / want.norm()
             assert err < (1e-5 if device.type == "cpu" else 2e-3), f"gradient of {name} differs by {err:.2e}"
-
-
-@pytest.mark.parametrize("world, overrides, message", [
-    (2, ["--parallel.cp=2", "--model.name=olmoe", "--training.global_batch_size=2", "--training.micro_batch_size=1"],
-     "with a mixture of experts"),
-    (2, ["--parallel.cp=2", "--model.attention=varlen"], "cannot use model.attention = 'varlen'"),
-])
-def test_refused_with_context_parallel(world, overrides, message):
-    with pytest.raises(ValueError) as info:
-        dims(world, *overrides)
-    assert message in str(info.value)
 
 
 @pytest.mark.parametrize("world", [8, 16, 32, 64])

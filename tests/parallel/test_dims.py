@@ -6,6 +6,7 @@ import pytest
 
 from maester.config import load_config
 from maester.parallel.dims import ParallelDims
+from tests.helpers import REPO
 
 
 def dims(world, *overrides, flavor="tiny"):
@@ -36,15 +37,10 @@ def test_dp_shard_takes_the_remaining_ranks():
     (2, ["--parallel.cpu_offload=true", "--training.device=cpu"], "this run is on the CPU already"),
     (4, ["--training.global_batch_size=8", "--training.micro_batch_size=4"],
      "make training.global_batch_size a multiple of 16 sequences"),
-])
-def test_bad_layouts(world, overrides, message):
-    with pytest.raises(ValueError) as info:
-        dims(world, *overrides)
-    assert message in str(info.value)
-
-
-@pytest.mark.parametrize("world, overrides, message", [
     (4, ["--parallel.cp=2", "--data.seq_len=30"], "divisible by 2 x cp = 4"),
+    (2, ["--parallel.cp=2", "--model.name=olmoe", "--training.global_batch_size=2", "--training.micro_batch_size=1"],
+     "with a mixture of experts"),
+    (2, ["--parallel.cp=2", "--model.attention=varlen"], "cannot use model.attention = 'varlen'"),
     (2, ["--parallel.pp=2", "--model.overrides.n_layers=1"], "makes 2 pipeline stages, which need at least as many"),
     (2, ["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B", "--model.overrides.n_layers=3"],
      "makes 4 pipeline stages, which need at least as many layers, but the model has n_layers = 3"),
@@ -72,7 +68,7 @@ def test_bad_layouts(world, overrides, message):
     (2, ["--parallel.ep=2", "--parallel.activation_checkpointing=selective-op", "--model.name=olmoe"],
      'set parallel.activation_checkpointing = "full"'),
 ])
-def test_impossible_cp_pp_ep_layouts(world, overrides, message):
+def test_bad_layouts(world, overrides, message):
     with pytest.raises(ValueError) as info:
         dims(world, *overrides)
     assert message in str(info.value)
@@ -99,9 +95,7 @@ def test_cp_and_pp_take_their_ranks_from_the_world():
 def test_the_olmoe_config_lays_out_on_two_nodes_of_eight():
     """configs/olmoe/1b-7b.toml: FSDP over 16 ranks with the experts split over the 8 of a node, 8 experts each,
     and FSDP-sharded over the 2 nodes; on fewer ranks than ep it says what to change."""
-    from pathlib import Path
-
-    cfg = load_config(Path(__file__).parents[2] / "configs" / "olmoe" / "1b-7b.toml", environ={})
+    cfg = load_config(REPO / "configs" / "olmoe" / "1b-7b.toml", environ={})
     d = ParallelDims.from_config(cfg, 16)
     assert (d.dp_shard, d.ep, d.dp_size, d.dp_shard // d.ep) == (16, 8, 16, 2)
     assert cfg.model.architecture().moe.n_experts // d.ep == 8
