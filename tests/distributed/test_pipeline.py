@@ -56,16 +56,21 @@ def prepare_job(root, corpus, checkpoints, name, **extra):
     return job_from_checkpoints(root, corpus, checkpoints, name, **{**BASE, **extra})
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipeline_matches_one_process(reference, layout):
-    root, corpus, seed, expected = reference
+def train_layout(root, corpus, seed, layout):
+    """The job of `layout`, from the seed checkpoint, trained under torchrun."""
     nproc, extra = LAYOUTS[layout]
-    if extra["parallel__pp_schedule"] == "ZBVZeroBubble" and v_schedule_sends_to_itself():
-        pytest.skip("this torch's ZBV sends from a rank to itself, which gloo cannot (refused: test_dims)")
     job = prepare_job(root, corpus, seed, layout, parallel__pp=2, **extra)
     run = torchrun(nproc, ["train", str(job)], root)
     assert run.returncode == 0, run.stderr[-4000:]
-    got = curve(job)
+    return job
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_matches_one_process(reference, layout):
+    root, corpus, seed, expected = reference
+    if LAYOUTS[layout][1]["parallel__pp_schedule"] == "ZBVZeroBubble" and v_schedule_sends_to_itself():
+        pytest.skip("this torch's ZBV sends from a rank to itself, which gloo cannot (refused: test_dims)")
+    got = curve(train_layout(root, corpus, seed, layout))
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), (layout, step, got, expected)
@@ -77,10 +82,7 @@ def test_checkpoint_saved_under_pp2_resumes_on_one_process(reference):
     root, corpus, seed, expected = reference
     saved = root / "jobs" / "pp2_1f1b_uneven" / "checkpoints" / f"step-{SAVED}"
     if not saved.is_dir():  # the test above did not run first (selected alone): make the checkpoint here
-        job = prepare_job(root, corpus, seed, "pp2_1f1b_uneven", parallel__pp=2,
-                          **LAYOUTS["pp2_1f1b_uneven"][1])
-        run = torchrun(2, ["train", str(job)], root)
-        assert run.returncode == 0, run.stderr[-4000:]
+        train_layout(root, corpus, seed, "pp2_1f1b_uneven")
     only = root / "pp2-step"
     only.mkdir()
     shutil.copytree(saved, only / saved.name)
