@@ -64,6 +64,13 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float_
 """Tensor methods that read a value on the host: on a GPU each waits for the queued kernels."""
 
 
+def collective(op: str, values, group) -> dict:
+    """The record of one collective: its op, the devices of its tensors, its group's device->backend map, and
+    the maester function that called it."""
+    return {"op": op, "devices": sorted({t.device.type for t in tensors_of(values)}),
+            "backends": str(dist.get_backend_config(group)), "caller": caller()}
+
+
 def record_read(reads: list[dict], what: str, step: int) -> None:
     """A host read at `step`, unless under maester.data (the loader and `Batch` work on host tensors by design:
     `Batch` counts documents only off the GPU) or torch's optimizer step count."""
@@ -93,9 +100,7 @@ class FunctionalCollectives(TorchDispatchMode):
         if "group_name" in names:
             bound = {**dict(zip(names, args)), **kwargs}
             group = c10d._resolve_process_group(bound["group_name"])
-            self.records.append({"op": str(func.overloadpacket), "devices": sorted({t.device.type for t in tensors_of(
-                list(args) + list(kwargs.values()))}), "backends": str(dist.get_backend_config(group)),
-                "caller": caller()})
+            self.records.append(collective(str(func.overloadpacket), list(args) + list(kwargs.values()), group))
         return func(*args, **kwargs)
 
 
@@ -118,8 +123,7 @@ def main() -> None:
                     if group is None:
                         group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
                 group = group or dist.group.WORLD
-                records.append({"op": name, "devices": sorted({t.device.type for t in tensors_of(values)}),
-                                "backends": str(dist.get_backend_config(group)), "caller": caller()})
+                records.append(collective(name, values, group))
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)
