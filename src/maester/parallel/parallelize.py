@@ -205,13 +205,15 @@ def selective_checkpointing_needs_compile(parallel: ParallelConfig, args, docume
                                           device_type: str) -> bool:
     """Whether selective activation checkpointing would run eagerly around FlexAttention's separately compiled
     kernel on CUDA: a combination that errors or recomputes flex (pytorch#147879; torchtitan warns on it). Then the
-    blocks must be compiled with it. `args`: the model's TransformerArgs."""
+    blocks must be compiled with it. `args`: the model's TransformerArgs. Under context parallel the local queries
+    never see the same keys, so `auto` always takes flex on CUDA (`layers.context_parallel_mask`)."""
     if parallel.activation_checkpointing != "selective-op" or parallel.compile or device_type != "cuda":
         return False
     if args.attention == "flex":
         return True
     window = args.sliding_window
-    masked = document_masking or (window is not None and window < seq_len) or args.attn_logit_softcap is not None
+    masked = (document_masking or parallel.cp > 1 or (window is not None and window < seq_len)
+              or args.attn_logit_softcap is not None)
     return args.attention == "auto" and masked
 
 
