@@ -161,19 +161,59 @@ def test_selective_checkpointing_with_flex_forces_compile(attention, documents, 
         assert selective_checkpointing_needs_compile(parallel, capped, False, 128, device)
 
 
+@pytest.mark.parametrize("attention, device, expected", [
+    ("auto", "cuda", True), ("sdpa", "cuda", False), ("auto", "cpu", False)])
+def test_context_parallel_with_selective_checkpointing_forces_compile(attention, device, expected):
+    """N6: pretraining without documents under cp > 1 still masks (the local queries attend over every cp rank's
+    keys), so `auto` resolves to flex on CUDA and eager selective checkpointing would wrap compiled flex."""
+    from types import SimpleNamespace
+
+    from maester.config import ParallelConfig
+    from maester.parallel.parallelize import selective_checkpointing_needs_compile
+
+    args = SimpleNamespace(attention=attention, sliding_window=None, attn_logit_softcap=None)
+    assert layers.resolve_attention(attention, torch.device(device), True) == ("flex" if expected else "sdpa")
+    cp = ParallelConfig(activation_checkpointing="selective-op", compile=False, cp=2)
+    assert selective_checkpointing_needs_compile(cp, args, False, 128, device) is expected
+    assert not selective_checkpointing_needs_compile(cp.model_copy(update={"cp": 1}), args, False, 128, device)
+
+
+def sdpa_kernels_run(fn) -> set[str]:
+    """The SDPA kernels (aten ops) that `fn()` dispatches to, as the profiler records them. Restricting the backends
+    from outside proves nothing: `attend` sets its own priority list (with MATH last) on Hopper."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")}
+
+
+def masked_grouped_attention(device: torch.device, dtype: torch.dtype):
+    q = torch.randn(2, 8, 256, 64, device=device, dtype=dtype)
+    k = v = torch.randn(2, 2, 256, 64, device=device, dtype=dtype)
+    ids = torch.zeros(2, 256, dtype=torch.long, device=device)
+    ids[:, 100:] = 1
+    mask = layers.attention_mask("sdpa", ids, 2, 256, device, needs_grad=False)
+    return lambda: layers.attend(q, k, v, mask)
+
+
+def test_the_kernel_check_sees_the_math_kernel():
+    """The check of the CUDA test below can fail: forced to the math kernel, it names it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    attention = masked_grouped_attention(CPU, torch.float32)
+    assert "aten::_scaled_dot_product_attention_math" not in sdpa_kernels_run(attention)
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert sdpa_kernels_run(attention) == {"aten::_scaled_dot_product_attention_math"}
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_masked_grouped_sdpa_avoids_the_math_kernel():  # pragma: no cover - GPU check
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
-    k = v = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
-    ids = torch.zeros(2, 256, dtype=torch.long, device="cuda")
-    ids[:, 100:] = 1
-    mask = layers.attention_mask("sdpa", ids, 2, 256, q.device, needs_grad=False)
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        out = layers.attend(q, k, v, mask)
-    assert out.shape == (2, 256, 8, 64)
+    """F5 on a GPU (N9): masked grouped-query SDPA, with the backend order `attend` itself sets, runs a fused
+    kernel, never math."""
+    ran = sdpa_kernels_run(masked_grouped_attention(CUDA, torch.bfloat16))
+    assert "aten::_scaled_dot_product_attention_math" not in ran, ran
+    assert ran & {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+                  "aten::_scaled_dot_product_flash_attention"}, ran
 
 
 @pytest.mark.cuda
