@@ -18,16 +18,21 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_root_is_not_resharded_after_forward(one_rank_group, reshard):
+@pytest.mark.parametrize("setting, pipelined, reshard", [
+    ("true", False, True), ("false", False, False),
+    ("null", False, True),   # the default: full shard
+    ("null", True, False),   # N7: under PP each micro-batch's forward would gather every block again
+    ("true", True, True),    # an explicit setting wins
+])
+def test_root_is_not_resharded_after_forward(one_rank_group, setting, pipelined, reshard):
     from torch.distributed.device_mesh import init_device_mesh
 
     from maester.models.build import build_on_meta, materialize, resolve_args
 
-    cfg = load_config(None, ["--model.flavor=tiny", f"--parallel.fsdp_reshard_after_forward={str(reshard).lower()}",
+    cfg = load_config(None, ["--model.flavor=tiny", f"--parallel.fsdp_reshard_after_forward={setting}",
                              "--training.device=cpu"], environ={})
     model = build_on_meta(cfg.model, resolve_args(cfg.model, 256, cfg.mup))
-    apply_fsdp(model, init_device_mesh("cpu", (1,)), cfg.parallel, torch.device("cpu"))
+    apply_fsdp(model, init_device_mesh("cpu", (1,)), cfg.parallel, torch.device("cpu"), pipelined=pipelined)
     model = materialize(model, torch.device("cpu"), 0)
     model(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None]).sum().backward()
 

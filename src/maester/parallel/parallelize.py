@@ -43,7 +43,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
         # for MoE).
         experts = sharded_over("dp_shard_mod_ep") if dims.ep > 1 else None
         apply_fsdp(model, sharded_over("dp_shard_cp" if dims.cp > 1 else "dp_shard"), cfg, device, precision,
-                   experts_mesh=experts, experts_divide=dims.dp_size)
+                   experts_mesh=experts, experts_divide=dims.dp_size, pipelined=dims.pp > 1)
     elif dims.ddp_enabled:
         from torch.distributed._composable import replicate
 
@@ -242,12 +242,20 @@ def apply_compile(model: nn.Module) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=whole))
 
 
+def reshards_after_forward(cfg: ParallelConfig, pipelined: bool) -> bool:
+    """`parallel.fsdp_reshard_after_forward`, its default (None) resolved: not under pipeline parallel, where every
+    micro-batch's forward and backward would all-gather each block again (torchtitan's
+    `get_fsdp_reshard_after_forward_policy`: "default" is `not pp_enabled`)."""
+    return cfg.fsdp_reshard_after_forward if cfg.fsdp_reshard_after_forward is not None else not pipelined
+
+
 def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device,
-               precision: Precision | None = None, experts_mesh=None, experts_divide: int = 1) -> None:
+               precision: Precision | None = None, experts_mesh=None, experts_divide: int = 1,
+               pipelined: bool = False) -> None:
     """FSDP2 per block, then the root; the mixed-precision policy computes in the precision's dtype (and is the
     only cast: the trainer runs no autocast under FSDP). `experts_mesh`: under expert parallel, the mesh the
     experts of each block are sharded over first, as their own FSDP unit whose gradients are divided by
-    `experts_divide`."""
+    `experts_divide`. `pipelined`: `model` is a pipeline stage (see `reshards_after_forward`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if precision is None:
@@ -258,10 +266,11 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device
                                           reduce_dtype=DTYPES[cfg.reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     }
+    resharding = reshards_after_forward(cfg, pipelined)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: no point resharding them.
-        reshard = cfg.fsdp_reshard_after_forward and i < len(blocks) - 1
+        reshard = resharding and i < len(blocks) - 1
         for moe in moe_layers(block) if experts_mesh is not None else ():
             fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": experts_mesh})
             moe.experts.set_gradient_divide_factor(float(experts_divide))
@@ -272,4 +281,4 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root (embeddings, final norm, output) keeps FSDP2's default, None: not resharded after forward, since
     # backward needs the output layer first; an explicit True would all-gather it again in every backward.
-    fully_shard(model, reshard_after_forward=None if cfg.fsdp_reshard_after_forward else False, **kwargs)
+    fully_shard(model, reshard_after_forward=None if resharding else False, **kwargs)
