@@ -36,7 +36,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
         apply_compile(model)
     if dims.fsdp_enabled:
         def sharded_over(shard: str):  # HSDP: replicated over dp_replicate too
-            return dims.mesh["dp_replicate", shard] if dims.dp_replicate > 1 else dims.mesh[shard]
+            return dims.submesh("dp_replicate", shard) if dims.dp_replicate > 1 else dims.submesh(shard)
 
         # The cp ranks of a dp rank hold the same weights. Experts split over ep are FSDP-sharded over the rest of
         # the dp ranks, dividing their gradients by the whole dp size as the dense ones are (torchtitan's apply_fsdp
