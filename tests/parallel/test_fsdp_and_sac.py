@@ -71,3 +71,27 @@ def test_selective_checkpointing_keeps_biased_linears():
         wrapped(x).sum().backward()
     # two biased linears in forward, none run again in backward (which uses mm for the gradients)
     assert ops.counts.get(torch.ops.aten.addmm.default) == 2
+
+
+def test_selective_checkpointing_keeps_the_context_parallel_gather(one_rank_group):
+    """N15: each layer's K/V all-gather under context parallel runs once, in forward; backward does not gather
+    again (1-rank cp group on gloo). Also in the saved ops: the grouped GEMM of a mixture of experts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from maester.models.build import build_model
+    from maester.parallel.context_parallel import apply_context_parallel
+    from maester.parallel.parallelize import apply_activation_checkpointing
+
+    assert torch.ops.aten._grouped_mm.default in _saved_ops()
+    cfg = load_config(None, ["--model.flavor=tiny", "--training.device=cpu"], environ={})
+    model = build_model(cfg.model, 256, torch.device("cpu"), seed=0)
+    apply_context_parallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("cp",)))
+    apply_activation_checkpointing(model, "selective-op", 1)
+    tokens, positions = torch.randint(0, 256, (2, 16)), torch.arange(16).expand(2, 16)
+    gather = torch.ops.maester.cp_all_gather.default
+    with CountOps() as forward:
+        loss = model(tokens, positions, labels=tokens)
+    with CountOps() as backward:
+        loss.backward()
+    assert forward.counts.get(gather) == model.args.n_layers
+    assert gather not in backward.counts

@@ -163,8 +163,11 @@ def uses_loss_parallel(model: nn.Module) -> bool:
     return isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ())
 
 
-# Ops whose outputs selective checkpointing keeps: recomputing them costs the most.
+# Ops whose outputs selective checkpointing keeps: recomputing them costs the most. Context parallel's K/V
+# all-gather too: recomputed, each layer's gather would run again in backward, on the critical path (its output,
+# 2 x seq x kv_heads x head_dim per layer, is what the memory table of docs/context-parallel.md counts).
 _SAVE_OPS = {
+    torch.ops.maester.cp_all_gather.default,
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,  # biased linears (GPT-NeoX); torchtitan saves aten.linear too
     torch.ops.aten.linear.default,
@@ -179,16 +182,17 @@ _SAVE_OPS = {
 
 @cache
 def _saved_ops() -> frozenset:
-    """`_SAVE_OPS` with FlexAttention and variable-length attention, where this torch has them. Their modules are
-    imported at the first selective checkpoint, not with this one: they load torch._dynamo."""
-    ops = set()
+    """`_SAVE_OPS` with the grouped GEMM, FlexAttention and variable-length attention, where this torch has them.
+    The attention modules are imported at the first selective checkpoint, not with this one: they load
+    torch._dynamo."""
+    ops = {torch.ops.aten._grouped_mm.default} if hasattr(torch.ops.aten, "_grouped_mm") else set()
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401 (registers the op)
+        import torch.nn.attention.flex_attention as _flex  # noqa: F401 (registers the op)
         ops.add(torch.ops.higher_order.flex_attention)
     except (ImportError, AttributeError):
         pass
     try:
-        import torch.nn.attention.varlen  # noqa: F401 (registers the op)
+        import torch.nn.attention.varlen as _varlen  # noqa: F401 (registers the op)
         ops.add(torch.ops.torch_attn._varlen_attn.default)
     except (ImportError, AttributeError):
         pass
