@@ -30,7 +30,7 @@ from maester.train.checkpoint import Checkpointer, resolve_checkpoint
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
-from maester.train.hf_weights import load_hf_weights
+from maester.train.hf_weights import fetch_before_process_group, load_hf_weights
 from maester.models.moe import moe_metrics, update_expert_bias
 from maester.train.metrics import (
     MetricsWindow,
@@ -87,6 +87,8 @@ class _Run:
 class Trainer:
     def __init__(self, cfg: Config, job_dir: Path):
         self.cfg, self.job_dir = cfg, Path(job_dir)
+        if cfg.checkpoint.init_from_hf is not None:  # a Hub download runs under no collective timeout
+            fetch_before_process_group(cfg.checkpoint.init_from_hf)
         self.rank, self.world_size, self.device = init_distributed(cfg.training.device,
                                                                    cfg.training.init_timeout_seconds,
                                                                    cfg.training.precision)
