@@ -46,3 +46,46 @@ def test_stages_keep_the_whole_models_parameter_names():
     h = torch.randn(2, 8, whole.args.dim)
     out = middle(h, torch.arange(8).expand(2, 8))
     assert out.shape == h.shape and not torch.equal(out, h)
+
+
+def test_the_last_stage_computes_the_chunked_loss_not_the_logits():
+    """N3 on PP's last stage: given the labels (every stage gets them), the stage returns the summed token loss of
+    its logits, and its peak memory (MemTracker) is bounded by the loss's chunk, not by the micro-batch's
+    tokens x vocabulary logits."""
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import maester.models.loss as loss_module
+    from maester.models.build import materialize
+
+    cfg = ModelConfig(name="llama", flavor="tiny", attention="sdpa")
+    args = resolve_args(cfg, 4096)
+    whole = materialize(build_on_meta(cfg, args), torch.device("cpu"), seed=0)
+    last = split_stage(whole, range(args.n_layers - 1, args.n_layers), first=False, last=True)
+    batch, seq = 4, 256
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(batch, seq, args.dim, generator=g)  # the previous stage's output
+    labels = torch.randint(0, 4096, (batch, seq), generator=g)
+    positions = torch.arange(seq).expand(batch, seq)
+
+    def peak(chunk_elements: int) -> tuple[torch.Tensor, int]:
+        saved, loss_module.CHUNK_ELEMENTS = loss_module.CHUNK_ELEMENTS, chunk_elements
+        tracker = MemTracker()
+        tracker.track_external(last, hidden)
+        try:
+            with tracker:
+                loss = last(hidden, positions, labels=labels)
+                loss.backward()
+        finally:
+            loss_module.CHUNK_ELEMENTS = saved
+        return loss.detach(), sum(p["Total"] for p in tracker.get_tracker_snapshot("peak").values())
+
+    whole_logits = batch * seq * 4096 * 4  # 16 MiB of float32 logits
+    one_chunk, full_peak = peak(2**27)
+    chunked, chunked_peak = peak(64 * 4096)  # 64 tokens a chunk: 1 MiB
+    with torch.no_grad():
+        expected = F.cross_entropy(last(hidden, positions).flatten(0, 1), labels.flatten(), reduction="sum")
+    assert one_chunk.ndim == 0
+    torch.testing.assert_close(one_chunk, expected, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(chunked, expected, rtol=1e-5, atol=1e-3)
+    assert full_peak > 2 * whole_logits and chunked_peak < whole_logits, (full_peak, chunked_peak, whole_logits)

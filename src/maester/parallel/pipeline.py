@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from maester.config import Config, ParallelConfig
-from maester.models.loss import cross_entropy_sum
 
 if TYPE_CHECKING:
     from maester.parallel.dims import ParallelDims
@@ -194,15 +193,17 @@ def build_pipeline_model(whole: nn.Module, dims: "ParallelDims", cfg: Config,
 
 class PipelineLoss:
     """The last stage's loss of one micro-batch: summed token losses over the step's label tokens (`n_labels`, over
-    the data-parallel ranks), times `scale` for backward (FSDP's averaging, a loss scale). Not a running total:
-    torch may call it once more on the first step to infer the backward's shapes."""
+    the data-parallel ranks), times `scale` for backward (FSDP's averaging, a loss scale). The last stage computes
+    the summed token losses itself, from the labels every stage receives, with the chunked loss of one process (no
+    whole logits); this divides and scales them. Not a running total: torch may call it once more on the first step
+    to infer the backward's shapes."""
 
     def __init__(self):
         self.n_labels = self.scale = None
         self.poison = False
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = cross_entropy_sum(logits, labels) / self.n_labels  # the stage's logits are soft-capped already
+    def __call__(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = loss_sum / self.n_labels
         if self.poison:
             loss = loss * float("nan")
         return loss * self.scale
@@ -231,14 +232,15 @@ class Pipeline:
     def step(self, micro_batches, n_labels: torch.Tensor, scale, device: torch.device,
              poison: bool = False) -> torch.Tensor:
         """Forward and backward of the step; returns the step's loss (this dp rank's share), on every pp rank.
-        The position and document ids go to every stage (each makes its own attention masks); the host-made
-        document offsets do not (varlen attention counts them on the device)."""
+        The position and document ids go to every stage (each makes its own attention masks), and the labels too:
+        the last stage returns its micro-batch's summed token losses, not logits (the others ignore them); the
+        host-made document offsets do not (varlen attention counts them on the device)."""
         self.loss.n_labels, self.loss.scale, self.loss.poison = n_labels, scale, poison
 
         def joined(name: str) -> torch.Tensor:
             return torch.cat([getattr(b, name) for b in micro_batches])
 
-        kwargs = {"position_ids": joined("position_ids")}
+        kwargs = {"position_ids": joined("position_ids"), "labels": joined("labels")}
         if micro_batches[0].document_ids is not None:
             kwargs["document_ids"] = joined("document_ids")
         args = (joined("input_ids"),) if self.has_first else ()
@@ -256,7 +258,7 @@ class Pipeline:
     def evaluate(self, batch, device: torch.device) -> torch.Tensor:
         """The summed token loss of one batch (validation), on every pp rank: the batch goes through the stages in
         order, not pipelined, each rank running its stages as their input arrives from the rank before."""
-        kwargs = {"position_ids": batch.position_ids}
+        kwargs = {"position_ids": batch.position_ids, "labels": batch.labels}
         if batch.document_ids is not None:
             kwargs["document_ids"] = batch.document_ids
         me, last = dist.get_rank(), len(self.stage_rank) - 1
@@ -265,9 +267,8 @@ class Pipeline:
             if index > 0 and self.stage_rank[index - 1] != me:
                 h = _receive(self.stage_rank[index - 1], device)
             h = self.stage_modules[index](h, **kwargs)
-            if index == last:
-                loss = cross_entropy_sum(h, batch.labels)
-                total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            if index == last:  # the summed token losses
+                total += (h.full_tensor() if isinstance(h, DTensor) else h).detach()
             elif self.stage_rank[index + 1] != me:
                 _send(h, self.stage_rank[index + 1])
         dist.all_reduce(total, group=self.pp_group)
