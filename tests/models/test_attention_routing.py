@@ -131,6 +131,60 @@ def test_sft_batches_carry_offsets(tmp_path):
         assert torch.equal(batch.document_offsets, document_offsets(batch.document_ids, 2, 128, CPU))
 
 
+def micro_batches_with_documents(n: int = 3) -> list:
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(n):
+        rows = torch.randint(2, 50, (2, 65), generator=g)
+        rows[0, 4:4 + 6 * i:6] = 1  # i end-of-document tokens: a different count of documents each
+        rows[1, 30 - 5 * i] = 1
+        batches.append(make_batch(rows, document_masking=True, eos_id=1))
+    return batches
+
+
+def test_pipeline_stages_get_each_micro_batchs_document_offsets():
+    """F16 under PP: the offsets go to the stages as one host tensor that torch's pipelining splits like every
+    argument (its own split_args_kwargs_into_chunks), and each stage reads its micro-batch's back on the host."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    batches = micro_batches_with_documents()
+    assert len({len(b.document_offsets) for b in batches}) > 1
+    packed = layers.pack_offsets([b.document_offsets for b in batches])
+    joined = torch.cat([b.position_ids for b in batches])
+    _, chunks = split_args_kwargs_into_chunks((), {"document_offsets": packed, "position_ids": joined}, len(batches))
+    for batch, chunk in zip(batches, chunks):
+        assert torch.equal(chunk["position_ids"], batch.position_ids)
+        assert torch.equal(layers.unpack_offsets(chunk["document_offsets"]), batch.document_offsets)
+    # a batch moved to the device keeps its offsets on the host, where they were made
+    assert batches[0].to(CPU).document_offsets.device == CPU
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_varlen_takes_host_offsets_without_waiting_for_the_gpu():  # pragma: no cover - GPU check
+    """F16 on a GPU: a batch's host offsets, and a pipeline stage's row of packed ones, become the same cu_seqlens
+    on the device with no synchronisation."""
+    import warnings
+
+    batches = micro_batches_with_documents()
+    cuda_batch = batches[1].to(CUDA)
+    assert cuda_batch.document_offsets.is_pinned()
+    row = layers.pack_offsets([b.document_offsets for b in batches]).pin_memory()[1:2]
+    masks = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for offsets in (cuda_batch.document_offsets, row):
+                masks.append(layers.attention_mask("varlen", cuda_batch.document_ids, 2, 64, CUDA, True,
+                                                   offsets=offsets))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not [w for w in caught if "synchroniz" in str(w.message).lower()]
+    for mask in masks:
+        assert torch.equal(mask.cu_seqlens.cpu(), batches[1].document_offsets)
+
+
 def test_sdpa_keeps_torch_order_off_hopper():
     assert sdpa_priority(CPU) is None
 
