@@ -62,6 +62,12 @@ MODES = ["configs/demo.toml", *FEW, jsonl_source("pydoc"), "--model.flavor=tiny"
          "--training.steps=6", "--logging.interval=6", "--training.global_batch_size=8",
          "--training.micro_batch_size=4", "--checkpoint.interval=3"]
 
+
+def two_ranks(base: list[str], *layout: str) -> list[str]:
+    """A torchrun stage's args: the process count, then `base` on its own layout (no one-rank FSDP)."""
+    return ["2", *[a for a in base if a != "--parallel.force_fsdp=true"], *layout]
+
+
 STAGES = [
     Stage("fsdp-sync", "NCCL+gloo backend map, DeviceMesh and FSDP2 on CUDA, DCP on device tensors, and no "
           "synchronisation on a step that neither logs nor saves", "train", DEMO, estimate=30, timeout=150),
@@ -99,9 +105,16 @@ STAGES = [
     Stage("cuda-tests", "every test marked cuda (kernels, routing, grouped GEMM, profiler, precision) passes",
           "pytest", estimate=80, timeout=360),
     Stage("two-rank-fsdp", "NCCL between two GPUs: the demo on FSDP over 2 ranks", "torchrun",
-          ["2", *[a for a in DEMO if a != "--parallel.force_fsdp=true"], "--parallel.dp_shard=2",
-           "--training.micro_batch_size=8"],
-          estimate=40, timeout=180, gpus=2),
+          two_ranks(DEMO, "--parallel.dp_shard=2", "--training.micro_batch_size=8"), estimate=40, timeout=180, gpus=2),
+    Stage("two-rank-tp", "tensor and sequence parallel with loss-parallel cross-entropy on NCCL", "torchrun",
+          two_ranks(MODES, "--parallel.tp=2", "--parallel.dp_shard=1"), estimate=30, timeout=180, gpus=2),
+    Stage("two-rank-cp", "context parallel: the K/V all-gather custom op on NCCL with FlexAttention", "torchrun",
+          two_ranks(MODES, "--parallel.cp=2", "--parallel.dp_shard=1"), estimate=30, timeout=180, gpus=2),
+    Stage("two-rank-pp", "pipeline parallel: 1F1B's point-to-point sends between GPUs", "torchrun",
+          two_ranks(MODES, "--parallel.pp=2", "--parallel.dp_shard=1"), estimate=30, timeout=180, gpus=2),
+    Stage("two-rank-ep", "expert parallel: the all-to-all token dispatch and grouped GEMM with a rank's share",
+          "torchrun", two_ranks(MODES, "--model.name=olmoe", "--parallel.ep=2", "--parallel.dp_shard=2"),
+          estimate=30, timeout=180, gpus=2),
 ]
 
 
