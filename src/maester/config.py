@@ -223,6 +223,10 @@ class ParallelConfig(Section):
     """FSDP gradient reduction dtype."""
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory."""
+    force_fsdp: bool = False
+    """Apply FSDP2 where dp_shard is 1 too (one process: a one-rank mesh): mixed precision by FSDP's policy rather
+    than autocast, `cpu_offload` on one GPU, and, on one GPU, the code path that multi-GPU runs take (the GPU check
+    uses it)."""
     activation_checkpointing: Literal["none", "full", "selective-op"] = "none"
     activation_checkpointing_every: int = Field(1, ge=1)
     """Checkpoint every N-th transformer block (1: all of them)."""

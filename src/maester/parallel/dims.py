@@ -35,6 +35,7 @@ class ParallelDims:
     cp: int = 1
     pp: int = 1
     ep: int = 1
+    force_fsdp: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
@@ -49,7 +50,7 @@ class ParallelDims:
             raise ValueError(f"parallel layout {layout} does not divide the {world_size} process(es): make the "
                              f"product of the degrees {'divide' if p.dp_shard == -1 else 'equal'} the world size")
         shard = world_size // fixed if p.dp_shard == -1 else p.dp_shard
-        dims = cls(p.dp_replicate, shard, p.tp, world_size, cp=p.cp, pp=p.pp, ep=p.ep)
+        dims = cls(p.dp_replicate, shard, p.tp, world_size, cp=p.cp, pp=p.pp, ep=p.ep, force_fsdp=p.force_fsdp)
         if others * shard != world_size:
             raise ValueError(f"parallel layout {layout} = {others * shard} processes, but {world_size} "
                              f"were launched: set parallel.dp_shard = -1 or launch that many")
@@ -113,7 +114,8 @@ class ParallelDims:
         if not self.fsdp_enabled:
             for key, default in (("param_dtype", "auto"), ("cpu_offload", False)):
                 if getattr(p, key) != default:
-                    raise ValueError(f"parallel.{key} applies to FSDP only, but dp_shard = {self.dp_shard}")
+                    raise ValueError(f"parallel.{key} applies to FSDP only, but dp_shard = {self.dp_shard}: set "
+                                     f"parallel.force_fsdp = true for FSDP on dp_shard = 1 (one GPU)")
         self.batch_plan(cfg, dp_rank=0)  # refuses a global batch that does not split
 
     @property
@@ -122,11 +124,11 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1 or self.cp > 1
+        return self.dp_shard > 1 or self.cp > 1 or self.force_fsdp
 
     @property
     def ddp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1 and not self.force_fsdp
 
     @property
     def mesh(self):
@@ -195,13 +197,14 @@ class ParallelDims:
 
 
 def init_distributed(device_choice: str = "auto", timeout_s: float | None = None,
-                     precision: str = "auto") -> tuple[int, int, torch.device]:
+                     precision: str = "auto", one_rank_group: bool = False) -> tuple[int, int, torch.device]:
     """Join the process group when launched by torchrun: on GPUs NCCL/RCCL for device tensors and gloo for host
     tensors (`devices.process_group_backend`), on CPU gloo.
 
     `device_choice` is `training.device` (`auto` refuses the CPU where a GPU was meant: `devices.choose_device_type`),
-    `timeout_s` the collective timeout (None: torch's default), `precision` is `training.precision`. Returns the
-    rank, the world size and this rank's device.
+    `timeout_s` the collective timeout (None: torch's default), `precision` is `training.precision`;
+    `one_rank_group`: a single process gets a process group of its own too (FSDP on one rank needs a mesh).
+    Returns the rank, the world size and this rank's device.
     """
     from maester.parallel.devices import choose_device_type, process_group_backend
 
@@ -214,13 +217,17 @@ def init_distributed(device_choice: str = "auto", timeout_s: float | None = None
             os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device(device_type)
-    if world == 1 and not dist.is_initialized():
+    if world == 1 and not dist.is_initialized() and not one_rank_group:
         return 0, 1, device
     if not dist.is_initialized():
         from datetime import timedelta
 
-        dist.init_process_group(process_group_backend(device_type),
-                                timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None)
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        if "MASTER_ADDR" in os.environ:  # torchrun, or a launcher that sets its variables
+            dist.init_process_group(process_group_backend(device_type), timeout=timeout)
+        else:  # one process on its own: a store in this process
+            dist.init_process_group(process_group_backend(device_type), timeout=timeout, store=dist.HashStore(),
+                                    rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -121,6 +121,6 @@ def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, 
                                      precision), cfg.training.seed)
     if not initialise:
         return model
-    if dims.world_size > 1 and device.type == "cpu":
+    if (dims.world_size > 1 or dims.fsdp_enabled) and device.type == "cpu":
         copy_single_process_init(model, cfg, args, precision.param_dtype)
     return model

@@ -91,7 +91,7 @@ class Trainer:
             fetch_before_process_group(cfg.checkpoint.init_from_hf)
         self.rank, self.world_size, self.device = init_distributed(cfg.training.device,
                                                                    cfg.training.init_timeout_seconds,
-                                                                   cfg.training.precision)
+                                                                   cfg.training.precision, cfg.parallel.force_fsdp)
         setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
         log.info("environment: %s%s", describe_environment(self.device),
