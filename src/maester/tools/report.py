@@ -14,6 +14,7 @@ over it.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -227,7 +228,7 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
         items += [("", line) for line in restarts]
 
     checkpoint = Checkpointer(job_dir, cfg.checkpoint).latest()
-    items.append(("checkpoint", str(checkpoint.relative_to(job_dir.resolve())) if checkpoint else "none yet"))
+    items.append(("checkpoint", os.path.relpath(checkpoint, job_dir) if checkpoint else "none yet"))
     return items
 
 
