@@ -21,6 +21,7 @@ from maester.models.config import ModelConfig
 
 class TrainingConfig(Section):
     steps: int = Field(1000, gt=0)
+    """The number of the last step (absolute: a run resumed or started at `checkpoint.step_offset` ends there too)."""
     seed: int = 0
     batch_unit: Literal["sequences", "tokens"] = "sequences"
     global_batch_size: int = Field(32, gt=0)
@@ -163,6 +164,11 @@ class ScheduleConfig(Section):
     warmup-stable-decay (`wsd`) with a final decay of `decay_fraction` of the steps, or `step`: times
     `step_gamma` at each of `step_milestones`."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from the schedule's start. Longer than the steps the run schedules (a config shortened
+    with `--training.steps`), it is clamped to them with a warning."""
+    warmup_fraction: float | None = Field(None, ge=0, le=1)
+    """Instead of `warmup_steps`: this share of the steps the run schedules (rounded), so a shortened run warms up
+    for the same share of it."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     decay_fraction: float = Field(0.2, gt=0, le=1)
     """`wsd` only: the share of all steps spent decaying (1.0: the whole run decays, as a cooldown run does)."""
@@ -175,6 +181,9 @@ class ScheduleConfig(Section):
 
     @model_validator(mode="after")
     def _check_step(self) -> "ScheduleConfig":
+        if self.warmup_fraction is not None and self.warmup_steps:
+            raise ValueError(f"schedule.warmup_steps = {self.warmup_steps} and schedule.warmup_fraction = "
+                             f"{self.warmup_fraction}: set one of them")
         if self.name == "step":
             if not self.step_milestones:
                 raise ValueError("schedule.name = 'step' needs schedule.step_milestones (e.g. [6000, 8000])")
@@ -272,7 +281,8 @@ class CheckpointConfig(Section):
     schedule (a WSD run's), and this run's schedule (no warmup) decays from that step to `training.steps`."""
     step_offset: int = Field(0, ge=0)
     """The step a run starts at when it does not take the step from `init_from`; its schedule (warmup
-    included) still starts at that step."""
+    included) still starts at that step. `training.steps` stays the number of the last step: an offset of 220 with
+    `training.steps = 250` trains 30 steps."""
     save_final: bool = True
     verify: Literal["size", "full"] = "size"
     """What a resumed run checks of a checkpoint against its manifest.json before loading it: `size`, every file's
@@ -437,12 +447,17 @@ class Config(Section):
         if t.global_batch_size % t.micro_batch_size:
             raise ValueError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
                              f"training.micro_batch_size ({t.micro_batch_size})")
-        if self.checkpoint.load_mode == "cooldown" and self.schedule.warmup_steps:
-            raise ValueError(f"schedule.warmup_steps = {self.schedule.warmup_steps} with checkpoint.load_mode = "
-                             f"'cooldown': a cooldown continues at the stable LR, set schedule.warmup_steps = 0")
-        if self.schedule.warmup_steps > t.steps:
-            raise ValueError(f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
-                             f"training.steps ({t.steps})")
+        if self.checkpoint.load_mode == "cooldown" and (self.schedule.warmup_steps or self.schedule.warmup_fraction):
+            key, value = (("warmup_fraction", self.schedule.warmup_fraction) if self.schedule.warmup_fraction
+                          else ("warmup_steps", self.schedule.warmup_steps))
+            raise ValueError(f"schedule.{key} = {value} with checkpoint.load_mode = 'cooldown': a cooldown continues "
+                             f"at the stable LR, set schedule.warmup_steps = 0")
+        offset = self.checkpoint.step_offset
+        if offset >= t.steps:
+            raise ValueError(f"checkpoint.step_offset = {offset} leaves nothing to train with training.steps = "
+                             f"{t.steps}: training.steps is the number of the last step, not a count after the offset "
+                             f"(GPT-NeoX's train_iters with iteration_offset); to train {t.steps} steps after step "
+                             f"{offset}, set training.steps = {offset + t.steps}")
         held_out = any(s.validation_fraction for s in self.data.sources) or self.data.validation
         if self.logging.eval_interval and not held_out:
             raise ValueError("logging.eval_interval is set, but no data source holds out a validation split "
