@@ -90,6 +90,8 @@ class MuonConfig(Section):
     """Muon: momentum, then Newton-Schulz orthogonalisation of each hidden matrix's update."""
 
     lr: float = Field(0.02, gt=0, allow_inf_nan=False)
+    """The base LR of the Muon matrices (`optimizer.lr` is that of the AdamW part); both are printed at start and
+    in the console lines."""
     momentum: float = Field(0.95, ge=0, lt=1)
     nesterov: bool = True
     ns_steps: int = Field(5, ge=1)
@@ -100,7 +102,7 @@ class MuonConfig(Section):
     """Shape-aware LR: `spectral` x sqrt(max(1, rows / cols)) (Keller Jordan's Muon); `match_adamw`
     x 0.2 sqrt(max(rows, cols)) (Moonlight: an update RMS like AdamW's, so AdamW LRs carry over); `none`."""
     weight_decay: float | None = Field(None, ge=0)
-    """Decoupled, after orthogonalisation; None: `optimizer.weight_decay`."""
+    """Decoupled, after orthogonalisation; None: `optimizer.weight_decay` (0.1 by default)."""
     momentum_warmup_steps: int = Field(0, ge=0)
     """Raise the momentum linearly from `momentum_warmup_start` to `momentum` over this many steps; 0: off."""
     momentum_warmup_start: float = Field(0.85, ge=0, lt=1)
@@ -113,6 +115,9 @@ class MuonConfig(Section):
 
 
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "muon")
+DECOUPLED_DECAY = ("adamw", "muon")
+"""The optimizers whose weight decay is decoupled from the gradient (AdamW's; Muon's matrices and its AdamW part)."""
+DEFAULT_DECOUPLED_WEIGHT_DECAY = 0.1
 
 
 class OptimizerConfig(Section):
@@ -125,8 +130,11 @@ class OptimizerConfig(Section):
     """Adam-family only (adamw, adam, Muon's AdamW part)."""
     eps: float = Field(1e-8, gt=0)
     """Adam-family only."""
-    weight_decay: float = Field(0.1, ge=0)
-    """Default decay of the groups; the built-in rules keep it off embeddings, norms and biases."""
+    weight_decay: float | None = Field(None, ge=0)
+    """Default decay of the groups; the built-in rules keep it off embeddings, norms and biases. None: 0.1 where the
+    decay is decoupled from the gradient (`adamw`, `muon`: AdamW-style), 0 for the others (`adam`, `sgd` and
+    torch.optim classes, whose `weight_decay` is L2 regularisation added to the gradient); a value set with them
+    is applied as L2 and said so in the log."""
     momentum: float = Field(0.0, ge=0, lt=1)
     """`sgd` only."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -138,6 +146,18 @@ class OptimizerConfig(Section):
     """Parameter-group rules, tried in order before the built-in ones; the resolved groups are logged at start."""
     muon: MuonConfig = Field(default_factory=MuonConfig)
     """`name = "muon"` only."""
+
+    @property
+    def decoupled_decay(self) -> bool:
+        """Whether the optimizer's weight decay is decoupled (AdamW-style), not L2 added to the gradient."""
+        return self.name in DECOUPLED_DECAY
+
+    @property
+    def resolved_weight_decay(self) -> float:
+        """`weight_decay`, or its default for the optimizer: 0.1 when decoupled, else 0."""
+        if self.weight_decay is not None:
+            return self.weight_decay
+        return DEFAULT_DECOUPLED_WEIGHT_DECAY if self.decoupled_decay else 0.0
 
     @model_validator(mode="after")
     def _check_name(self) -> "OptimizerConfig":

@@ -224,7 +224,9 @@ def _finite_or_none(record: dict) -> dict:
 
 
 def format_console_line(r: dict) -> str:
-    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3g}", f"grad_norm {r['grad_norm']:.3f}",
+    muon = [v for k, v in r.items() if k.startswith("lr/") and "/muon" in k]  # Muon's matrices: optimizer.muon.lr
+    lr = f"lr {r['lr']:.3g}" + (f" (muon {max(muon):.3g})" if muon else "")
+    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", lr, f"grad_norm {r['grad_norm']:.3f}",
              f"tok/s {r['tokens_per_second']:,.0f}"]
     if r.get("mfu") is not None:
         parts.append(f"mfu {100 * r['mfu']:.1f}%")
