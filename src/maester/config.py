@@ -42,8 +42,9 @@ class TrainingConfig(Section):
     """`torch.set_float32_matmul_precision`: `high` lets float32 matmuls use TF32 on Ampere and later GPUs (faster,
     about 10 mantissa bits); `highest` (torch's default) keeps full float32."""
     cpu_threads: int | None = Field(None, gt=0)
-    """Intra-op threads of each process of a CPU run (`torch.set_num_threads`). None: torch's default (the physical
-    cores) for one process; for N processes of a torchrun on one machine, the machine's cores / N each (torchrun
+    """Intra-op threads of each process of a CPU run (`torch.set_num_threads`). None: the CPUs the process may use
+    (its affinity mask, at most its cgroup CPU quota, which torch does not see), at most torch's default (the
+    physical cores) for one process; for N processes of a torchrun on one machine, those CPUs / N each (torchrun
     would give each one thread). GPU runs leave torch's setting."""
     deterministic: bool = False
     """Use deterministic kernels (`torch.use_deterministic_algorithms`); CPU runs are bitwise repeatable anyway."""

@@ -93,8 +93,7 @@ class Trainer:
                                                                    cfg.training.precision)
         setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
-        log.info("environment: %s%s", describe_environment(self.device),
-                 f", {threads} CPU thread(s) per process" if threads else "")
+        log.info("environment: %s%s", describe_environment(self.device), f", {threads}" if threads else "")
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.parallel.preflight import run_preflight
