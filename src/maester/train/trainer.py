@@ -381,6 +381,8 @@ class Trainer:
             return False
         if run.last_checkpoint is None or run.last_checkpoint.name != f"step-{self.step}":
             run.last_checkpoint = self._save_checkpoint()
+        if run.writer is not None:  # what `maester status` counts as a requeue or a stopped link
+            run.writer.write_event(stop_event(self.step, run.stop_reason, run.last_checkpoint))
         run.stops.acknowledge(self.step, run.stop_reason, run.last_checkpoint)
         log.info("stopped on request (%s) after step %d of %d with checkpoint %s; wrote %s", run.stop_reason,
                  self.step, run.total, run.last_checkpoint, self.job_dir / REQUEUE_FILE)
@@ -513,6 +515,15 @@ class Trainer:
         if c.interval and self.step % c.interval == 0:
             return True
         return c.save_final and self.step == self.cfg.training.steps
+
+
+def stop_event(step: int, reason: str, checkpoint: Path) -> dict:
+    """The metrics.jsonl event of a stop on request, with the SLURM job and its restart count where there is one."""
+    slurm = {"slurm_job_id": os.environ["SLURM_JOB_ID"],
+             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)} \
+        if os.environ.get("SLURM_JOB_ID") else {}
+    return {"event": "stop", "step": step, "reason": reason, "checkpoint": checkpoint.name,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **slurm}
 
 
 def check_steps_left(cfg: Config) -> None:
