@@ -347,9 +347,9 @@ def indexed_prefixes(inputs: Sequence[str]) -> list[str] | None:
 def count_indexed(prefixes: Sequence[str], output: str | None = None) -> Summary:
     """The tokens of every sequence of existing indexed datasets, from their index (as GPT-NeoX's
     `count_tokens.py`); with `output`, one count per line there. Beside a label dataset (`_label_document`), the
-    tokens it trains are counted too."""
+    tokens it trains are counted too, and each line of `output` is `tokens trained`."""
     from maester.data.indexed import IndexedDataset
-    from maester.data.sft_indexed import LABEL_DOCUMENT, TEXT_DOCUMENT, open_pair, trained_tokens
+    from maester.data.sft_indexed import LABEL_DOCUMENT, TEXT_DOCUMENT, open_pair, trained_per_sequence
 
     summary = Summary("count", tokens=0)
     longest, trained = 0, None
@@ -358,14 +358,17 @@ def count_indexed(prefixes: Sequence[str], output: str | None = None) -> Summary
         try:
             for prefix in prefixes:
                 labels = prefix[:-len(TEXT_DOCUMENT)] + LABEL_DOCUMENT if prefix.endswith(TEXT_DOCUMENT) else None
+                per_sequence = None
                 if labels is not None and Path(f"{labels}.idx").is_file():
                     ds, label_ds = open_pair(prefix, labels)
-                    trained = (trained or 0) + trained_tokens(label_ds)
+                    per_sequence = trained_per_sequence(label_ds)
+                    trained = (trained or 0) + int(per_sequence.sum())
                 else:
                     ds = IndexedDataset(prefix)
                 sizes = np.asarray(ds.sizes, dtype=np.int64)
                 if out is not None:
-                    out.write("".join(f"{n}\n" for n in sizes.tolist()))
+                    out.write("".join(f"{n}\n" for n in sizes.tolist()) if per_sequence is None else
+                              "".join(f"{n} {t}\n" for n, t in zip(sizes.tolist(), per_sequence.tolist())))
                 longest = max(longest, int(sizes.max()) if len(sizes) else 0)
                 progress.update(len(sizes), int(sizes.sum()))
         finally:

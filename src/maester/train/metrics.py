@@ -108,8 +108,11 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> int:
 
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """Peak FLOP/s of the device, or None (CPU, or a GPU not in the table: MFU is then not reported)."""
+    """Peak FLOP/s of the device, or None (CPU, or a GPU not in the table: MFU is then not reported, with a
+    warning)."""
     if device.type != "cuda":
+        log.warning("MFU is not reported on %s: there is no peak-FLOPs figure for it (maester.train.metrics."
+                    "PEAK_FLOPS lists GPUs); mfu is null in metrics.jsonl", device.type)
         return None
     name = torch.cuda.get_device_name(device)
     arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or ""
