@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 from maester.data.indexed import IndexedDatasetWriter
-from tests.helpers import DEMO_CONFIG, clean_env, rewrite_manifest, run_maester, tiny_overrides, write_corpus
+from tests.helpers import (DEMO_CONFIG, clean_env, rewrite_manifest, run_maester, seed_job, tiny_overrides,
+                           write_corpus)
 
 DEMO = str(DEMO_CONFIG)
 
@@ -334,6 +335,12 @@ def nothing_saved_after_the_damage(s: Scratch) -> None:
     assert os.readlink(steps / "latest") == "step-3"
 
 
+def exported_with_chat_template(s: Scratch) -> None:
+    """The export carries the job's built-in template (chatml) in tokenizer_config.json."""
+    template = json.loads((s.root / "hf" / "tokenizer_config.json").read_text()).get("chat_template", "")
+    assert "<|im_start|>" in template, template
+
+
 def submitted_without_config_change(s: Scratch) -> None:
     assert (s.root / "jobs" / "pfx" / "config.json").is_file()
 
@@ -381,6 +388,9 @@ PROBE_2 = {
     "N27 a qwen3 checkpoint whose config says llama": Row(
         lambda s: ["convert", "to-hf", str(as_llama(s)), str(s.root / "hf")], 2,
         "holds weights this model has no place for (layers.0.attention.k_norm.weight"),
+    "N31 an HF export of a built-in-template SFT job": Row(
+        lambda s: ["convert", "to-hf", str(s.job("sft")), str(s.root / "hf")], 0, "",
+        then=exported_with_chat_template),
     "N33 train on a checkpoint directory": Row(
         lambda s: ["train", str(s.job() / "checkpoints" / "latest"), "--training.steps=5"], 2,
         "is a checkpoint of the job"),
@@ -465,8 +475,9 @@ PROBE_2 = {
 @pytest.fixture(scope="module")
 def probe2(tmp_path_factory):
     """The jobs and data the rows copy: `small` (tiny Llama, 3 steps, a checkpoint at each), `seed` (its random
-    weights as step-0), `qwen` (a tiny qwen3 seed), `fresh` (a job directory without a checkpoint), a tokenized
-    prefix, llm.c shards, and a `data download` of a mock Hub's dataset (whose server the rows that need it use)."""
+    weights as step-0), `qwen` (a tiny qwen3 seed), `sft` (a tiny SFT seed, chatml), `fresh` (a job directory
+    without a checkpoint), a tokenized prefix, llm.c shards, and a `data download` of a mock Hub's dataset (whose
+    server the rows that need it use)."""
     from maester.data.indexed import write_llmc_shard
     from maester.tools.data_tokenize import tokenize, tokenizer_config
     from tests.hub_server import MockHub
@@ -482,6 +493,11 @@ def probe2(tmp_path_factory):
         code, _, err = run_in_process([command, DEMO, *tiny_overrides(corpus, base / "jobs", name, **extra)]
                                       + (["--no-submit"] if command == "submit" else []))
         assert code == 0, err
+    from tests.data.test_sft import write_conversations
+
+    write_conversations(base / "chats.jsonl", 8)
+    seed_job(corpus, base / "jobs", "sft", data__mode="sft", data__seq_len=64,
+             data__sources=json.dumps([{"path": str(base / "chats.jsonl")}]))
     tokenize([str(corpus)], str(base / "tok"), tokenizer_config("byte"))
     (base / "llmc").mkdir()
     for i in range(2):

@@ -100,7 +100,8 @@ def add_seed_checkpoint(sub, name: str) -> None:
 
 def run_seed_checkpoint(args) -> None:
     from maester.jobs.job_dir import config_for_target, locked_for_writing, refuse_checkpoint, write_job_dir
-    from maester.train.trainer import check_seedable, write_seed_checkpoint
+    from maester.train.checkpoint_dirs import check_seedable
+    from maester.train.trainer import write_seed_checkpoint
 
     refuse_checkpoint(args.target, "seed-checkpoint")
     cfg, job_dir = config_for_target(args.target, args.overrides)
