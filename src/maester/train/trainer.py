@@ -23,6 +23,7 @@ from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
 from maester.parallel.context_parallel import context_parallel_of
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout, set_cpu_threads
+from maester.parallel.float8 import Float8Training, check_float8
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
@@ -95,6 +96,7 @@ class Trainer:
         log.info("environment: %s%s", describe_environment(self.device),
                  f", {threads} CPU thread(s) per process" if threads else "")
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
+        check_float8(cfg, self.dims, self.device)  # a GPU without float8, DDP, a torchao that does not fit torch
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.parallel.preflight import run_preflight
 
@@ -120,6 +122,7 @@ class Trainer:
         if self.precision.loss_scaling:
             self.scaler = LossScaler(next(iter(self.model.parameters())).device)
         self.loss_parallel = uses_loss_parallel(self.model)
+        self.float8 = Float8Training(self.model) if cfg.training.float8.enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
@@ -316,6 +319,8 @@ class Trainer:
             else:  # fp16: an overflow is the scaler's to handle, not a non-finite step
                 self._scaled_step(loss, grad_norm, overflow)
             update_expert_bias(self.model, self.dp_group)  # MoE's auxiliary-loss-free balancing; else nothing
+            if self.float8 is not None:
+                self.float8.after_optimizer_step()
         except torch.OutOfMemoryError:
             profiler.on_oom(self.step)
             raise
