@@ -238,3 +238,30 @@ def test_emulated_float8_follows_cpu_autocast(recipe):
     assert layer.weight.grad is not None and x.grad.dtype == torch.float32
     error = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
     assert 1e-3 < error < 0.1, error  # e4m3 keeps 3 mantissa bits: a few per cent
+
+
+def test_one_rank_fsdp_with_selective_checkpointing_and_muon_trains(tmp_path):
+    """Float8 (emulated, float8 all-gather) composed with selective activation checkpointing and Muon, under FSDP2
+    on a one-rank mesh; the optimizer updates the float8 layers' ordinary weights."""
+    import torch.distributed as dist
+
+    from maester.train.metrics import read_metrics
+    from maester.train.trainer import Trainer
+
+    corpus = write_corpus(tmp_path / "c.parquet")
+    cfg = load_config(None, tiny_overrides(
+        corpus, tmp_path, training__steps=3, checkpoint__interval=0, parallel__force_fsdp="true",
+        parallel__activation_checkpointing="selective-op", optimizer__name="muon", training__precision="bf16",
+        training__float8__enabled="true", training__float8__emulate="true"), environ={})
+    trainer = Trainer(cfg, cfg.job_dir)
+    try:
+        q = trainer.model.layers["0"]._checkpoint_wrapped_module.attention.q_proj
+        assert is_float8(q) and q.config.enable_fsdp_float8_all_gather and trainer.float8.precompute
+        before = q.weight.full_tensor().clone()
+        trainer.train()
+        assert not torch.equal(before, q.weight.full_tensor())
+        assert q.weight._local_tensor._precomputed_scale is not None  # after each optimizer step
+    finally:
+        dist.destroy_process_group()
+    losses = [r["loss"] for r in read_metrics(cfg.job_dir / "metrics.jsonl")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
