@@ -244,8 +244,10 @@ class ParallelConfig(Section):
     n_layers); None: an even split, the earlier stages taking one more where it does not divide."""
     ep: int = Field(1, ge=1)
     """Expert parallel degree (MoE models): divides dp_shard; the experts are split over ep ranks."""
-    fsdp_reshard_after_forward: bool = True
-    """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward)."""
+    fsdp_reshard_after_forward: bool | None = None
+    """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward). None:
+    True, except under pipeline parallel (pp > 1), where resharding would gather every block again in each
+    micro-batch's forward and backward (torchtitan's default)."""
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """FSDP compute dtype of parameters; `auto`: the one `training.precision` computes in (another value must
     agree with it)."""
