@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # The demo (its model, data and sequence length) with a small batch, so that 20 steps take seconds per layout.
-DEMO_STEPS = dict(training__global_batch_size=4, training__micro_batch_size=2, schedule__warmup_steps=2,
+DEMO_STEPS = dict(training__global_batch_size=2, training__micro_batch_size=1, schedule__warmup_steps=2,
                   logging__interval=1, checkpoint__interval=0, checkpoint__save_final="true",
                   training__device="cpu", training__precision="bf16")
 LAYOUTS = {"fsdp2": {"parallel__dp_shard": 2}, "tp2": {"parallel__tp": 2, "parallel__dp_shard": 1}}
@@ -62,7 +62,7 @@ def run_job(root: Path, seed: Path, name: str, nproc: int, steps: int, **extra) 
     shutil.rmtree(job / "checkpoints")
     shutil.copytree(seed, job / "checkpoints", symlinks=True)
     if nproc == 1:
-        run = run_maester(["train", str(job)], root, env=clean_env(OMP_NUM_THREADS="2"), timeout=3600)
+        run = run_maester(["train", str(job)], root, env=clean_env(OMP_NUM_THREADS="1"), timeout=3600)
     else:
         run = torchrun(nproc, ["train", str(job)], root, timeout=3600)
     if run.returncode:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[f"float8-{recipe}-{layout}"] = run_job(root, seed, f"{recipe}-{layout}", 2, args.steps,
                                                         **extra, **float8(recipe))
     reference = runs["bf16"]
-    result = {"steps": args.steps, "batch": "4 sequences x 256 tokens", "runs": {}}
+    result = {"steps": args.steps, "batch": "2 sequences x 256 tokens", "runs": {}}
     for name, losses in runs.items():
         worst = max(abs(a - b) / b for a, b in zip(losses, reference))
         result["runs"][name] = {"max_rel_diff_vs_bf16": round(worst, 5), "first": losses[0], "last": losses[-1],

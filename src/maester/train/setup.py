@@ -118,7 +118,8 @@ def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, 
         if initialise:
             seed_dtensor_rng_per_rank(cfg.training.seed, dims.mesh, device)
 
-        model = build_pipeline_model(meta, dims, cfg, lambda stage: parallelize(stage, dims, parallel, device, precision),
+        model = build_pipeline_model(meta, dims, cfg,
+                                     lambda stage: parallelize(stage, dims, parallel, device, precision),
                                      lambda stage, index: allocate(stage, cfg.training.seed + index), device)
     else:
         model = allocate(parallelize(meta, dims, parallel, device, precision), cfg.training.seed)
