@@ -25,6 +25,7 @@ from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
 from maester.parallel.context_parallel import context_parallel_of
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout, set_cpu_threads
+from maester.parallel.float8 import Float8Training, check_float8
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
@@ -100,6 +101,7 @@ class Trainer:
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
         log.info("environment: %s%s", describe_environment(self.device), f", {threads}" if threads else "")
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
+        check_float8(cfg, self.dims, self.device)  # a GPU without float8, DDP, a torchao that does not fit torch
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.parallel.preflight import run_preflight
 
@@ -127,6 +129,7 @@ class Trainer:
         if self.precision.loss_scaling:
             self.scaler = LossScaler(next(iter(self.model.parameters())).device)
         self.loss_parallel = uses_loss_parallel(self.model)
+        self.float8 = Float8Training(self.model) if cfg.training.float8.enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
@@ -240,8 +243,8 @@ class Trainer:
                 lr_mult = self._set_lr(run.total)
                 loss, grad_norm = self._optimizer_step(batches, stats, run.profiler)
                 self._finish_step(run, batches)
-                if self.after_load is not None:
-                    self._check_after_load()
+                if self.after_load is not None and self.after_load.check(self.step, self.checkpointer):
+                    self.after_load = None
                 if self.step % self.cfg.logging.interval == 0 or self.step in (run.first_step, run.total):
                     run.loss_value = self._log(run, loss, grad_norm, lr_mult)
                 self._evaluate_if_due(run)
@@ -334,23 +337,13 @@ class Trainer:
             else:  # fp16: an overflow is the scaler's to handle, not a non-finite step
                 self._scaled_step(loss, grad_norm, overflow)
             update_expert_bias(self.model, self.dp_group)  # MoE's auxiliary-loss-free balancing; else nothing
+            if self.float8 is not None:
+                self.float8.after_optimizer_step()
         except torch.OutOfMemoryError:
             profiler.on_oom(self.step)
             raise
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
-
-    def _check_after_load(self) -> None:
-        """`AfterLoadWatch`: a model that cannot train stops the run and sets aside the checkpoints saved since; while
-        it lasts, after a size-only check (`checkpoint.verify = "size"`), saves delete no older checkpoint."""
-        try:
-            over = self.after_load.check(self.step)
-        except ValueError as e:
-            moved = self.checkpointer.set_aside_after(self.after_load.path)
-            raise ValueError(f"{e}" + (f"; the checkpoints saved since, {', '.join(moved)}, are set aside" if moved
-                                       else "")) from None
-        if over:
-            self.after_load, self.checkpointer.hold_retention = None, False
 
     def _finish_step(self, run: _Run, micro_batches) -> None:
         """The profiler's and the garbage collector's turn, a fault point, and the step's tokens counted."""
