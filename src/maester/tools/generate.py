@@ -13,7 +13,7 @@ from torch import nn
 
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer, build_tokenizer
-from maester.tools.sampling import sample, sample_batch
+from maester.models.sampling import sample, sample_batch
 from maester.train.checkpoint import resolve_checkpoint
 from maester.train.checkpoint_files import load_model_weights
 
