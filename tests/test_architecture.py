@@ -22,7 +22,8 @@ LAYERS = [
     ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes", "maester.hub"),
     ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
     ("maester.config", "maester.config_data", "maester.config_job", "maester.config_sources"),  # the tree, its sources
-    ("maester.data", "maester.parallel"),  # loaders; device meshes, sharding, precision, preflight
+    # loaders; device meshes, sharding, precision, preflight; lm-evaluation-harness: the model as its LM, the tasks
+    ("maester.data", "maester.parallel", "maester.evaluation"),
     ("maester.train",),  # the trainer, checkpoints, optimizers, metrics
     ("maester.jobs",),  # job directories, SLURM scripts, sweeps
     ("maester.tools",),  # data tools, convert, generate, reports
