@@ -351,6 +351,27 @@ class LoggingConfig(Section):
     `logs/train.log`) and the other ranks report warnings and errors."""
 
 
+class EvaluationConfig(Section):
+    """Downstream tasks of EleutherAI's lm-evaluation-harness, run in the training loop on the model as training
+    shards it (FSDP, TP; no copy gathered on one rank) every `interval` steps and at the last step; needs the `eval`
+    extra. Each task's metrics are logged as `eval/<task>/<metric>` (metrics.jsonl, TensorBoard, W&B); a task that
+    fails is logged (an `eval_failed` event, and the error on the console) and training goes on. Their time is not
+    the steps' (tokens/s). The validation loss on held-out data is `logging.eval_interval`'s; `maester eval` runs the
+    same tasks on a checkpoint (docs/evaluation.md)."""
+
+    tasks: list[str] = Field(default_factory=list)
+    """lm-eval task, group or tag names (`hellaswag`, `arc_easy`), or task YAML files (paths ending in `.yaml`).
+    `pydoc_choice` (multiple choice) and `pydoc_complete` (generation) ship with maester and need no download."""
+    interval: int = Field(0, ge=0)
+    """Evaluate every this many steps, and at the last step; 0: at the last step only."""
+    limit: int | float | None = Field(None, gt=0)
+    """At most this many documents per task (below 1: that share of them); None: all of them."""
+    num_fewshot: int | None = Field(None, ge=0)
+    """Few-shot examples in each prompt; None: each task's own default."""
+    batch_size: int = Field(8, gt=0)
+    """Requests per forward on each data-parallel rank."""
+
+
 class ProfilingConfig(Section):
     """torch profiler traces and CUDA memory snapshots, written under `<job dir>/profiles`."""
 
@@ -422,6 +443,7 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
@@ -449,7 +471,20 @@ class Config(Section):
                              "(set validation_fraction on a source, or add data.validation sources)")
         if self.data.validation and not self.logging.eval_interval:
             raise ValueError("data.validation names sources to evaluate, but logging.eval_interval is 0 (never)")
+        self._check_evaluation()
         return self
+
+    def _check_evaluation(self) -> None:
+        e, p = self.evaluation, self.parallel
+        if not e.tasks:
+            if e.interval:
+                raise ValueError(f"evaluation.interval = {e.interval}, but evaluation.tasks names no task")
+            return
+        for key in ("cp", "pp"):
+            if getattr(p, key) > 1:
+                raise ValueError(f"evaluation.tasks: in-loop downstream evaluation runs on FSDP, HSDP, DDP and TP "
+                                 f"layouts, not with parallel.{key} = {getattr(p, key)}: evaluate the checkpoints "
+                                 f"with `maester eval` instead")
 
     @property
     def job_dir(self) -> Path:

@@ -145,6 +145,12 @@ class Trainer:
         self.schedule_start = 0  # steps done before the LR schedule began (its warmup starts at the next step)
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
         self._validation = None
+        self.downstream = None  # evaluation.tasks: lm-eval tasks on this sharded model (`maester.train.downstream`)
+        if cfg.evaluation.tasks:
+            from maester.train.downstream import DownstreamEvaluation
+
+            self.downstream = DownstreamEvaluation(cfg, self.model, self.tokenizer, self.dims, self.device,
+                                                   self.precision)
         self._resume_or_initialise()
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
                  "x pp %d; %d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
@@ -363,13 +369,19 @@ class Trainer:
         return loss_value
 
     def _evaluate_if_due(self, run: _Run) -> None:
-        """Evaluate every `logging.eval_interval` steps and at the end; after the first step (and evaluation),
+        """The validation loss every `logging.eval_interval` steps, the downstream tasks every `evaluation.interval`,
+        both at the end, their time kept out of the steps' throughput; after the first step (and evaluation),
         shorten the collective timeout: building, compiling and the first evaluation's recompiles are behind."""
-        cfg = self.cfg
+        cfg, start = self.cfg, time.perf_counter()
         if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == run.total):
             validation, run.evaluated = self.evaluate(), True
             if run.writer is not None:
                 run.writer.write_eval({"step": self.step, **validation})
+        if self.downstream is not None and self.downstream.due(self.step, run.total):
+            from maester.train.downstream import evaluate_downstream
+
+            evaluate_downstream(self.downstream, self.step, run.writer)
+        run.window.exclude(time.perf_counter() - start)
         if run.long_timeout and (run.evaluated or not cfg.logging.eval_interval):
             set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.mesh, device=self.device)
             run.long_timeout = False
