@@ -124,3 +124,22 @@ def test_on_a_gpu_in_bf16_the_loop_and_the_command_evaluate(corpus, tmp_path, mo
     results = json.loads((tmp_path / "gpu.json").read_text())
     assert results["config"]["dtype"] == "torch.bfloat16" and set(results["results"]) == {"pydoc_choice",
                                                                                           "pydoc_complete"}
+
+
+def test_without_lm_eval_training_runs_and_evaluation_tasks_say_how_to_install_it(corpus, tmp_path, monkeypatch):
+    import sys
+
+    from maester.train.trainer import Trainer
+
+    # As if not installed: `import lm_eval` (and of any of its modules an earlier test loaded) raises ImportError,
+    # and maester's evaluation modules are imported afresh, as in a process without lm-eval.
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] + ["lm_eval"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    for name in [m for m in sys.modules if m.startswith("maester.evaluation.")]:
+        monkeypatch.delitem(sys.modules, name)
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", "plain", training__steps=2), environ={})
+    assert Trainer(cfg, cfg.job_dir).train().step == 2
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", "evaluated", training__steps=2,
+                                           evaluation__tasks='["pydoc_choice"]'), environ={})
+    with pytest.raises(ValueError, match=r"pip install 'maester\[eval\]'"):
+        Trainer(cfg, cfg.job_dir)
