@@ -35,11 +35,12 @@ sharded = build_training_model(cfg, tokenizer.vocab_size, dims, device, precisio
 evaluation = DownstreamEvaluation(cfg, sharded, tokenizer, dims, device, precision)
 metrics, failures = evaluation.run()
 with evaluation._evaluating():
-    samples = run_tasks(evaluation.lm, TASKS, evaluation.manager, limit=5, log_samples=True, bootstrap_iters=0)
+    samples = run_tasks(evaluation.lm, TASKS, evaluation.manager, limit=5, log_samples=True, bootstrap_iters=0,
+                        environment=False)
 whole = materialize(build_on_meta(cfg.model, resolve_args(cfg.model, tokenizer.vocab_size, cfg.mup), torch.float32),
                     device, cfg.training.seed).eval()
 reference = run_tasks(MaesterLM(whole, tokenizer, device=device, batch_size=3), TASKS, evaluation.manager, limit=5,
-                      log_samples=True, bootstrap_iters=0)
+                      log_samples=True, bootstrap_iters=0, environment=False)
 result = {"sharded": sharded.layers["0"].attention.k_proj.weight.to_local().shape[0] * 2 ==
           sharded.layers["0"].attention.k_proj.weight.shape[0], "failures": failures}
 if rank == 0:  # lm-eval reports on the first process of a node only

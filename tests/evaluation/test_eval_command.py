@@ -33,6 +33,7 @@ def test_two_processes_give_the_results_of_one(eval_job, one_process_eval, tmp_p
             else:  # other batches, other padding: the same numbers to float32 rounding
                 assert [r[0][0] for r in theirs] == pytest.approx([r[0][0] for r in sample["resps"]], rel=1e-5)
     assert (one["config"]["processes"], two["config"]["processes"]) == (1, 2)
+    assert "pretty_env_info" in one  # lm-eval's JSON in full, environment included (the training loop skips it)
 
 
 def test_task_files_by_path_and_by_include_directory(eval_job, tmp_path):

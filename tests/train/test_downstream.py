@@ -44,13 +44,18 @@ def test_tasks_are_logged_a_failing_one_too_and_their_time_is_not_the_steps(corp
     from maester.jobs.job_dir import write_job_dir
     from maester.train.trainer import Trainer
 
+    import lm_eval.evaluator
+
     offline(monkeypatch, tmp_path)
+    reported = []  # lm-eval's environment report (torch's collect_env: seconds) is not made per task in the loop
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", reported.append)
     tasks = json.dumps(["pydoc_choice", broken_task(tmp_path)])
     cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", "ev", training__steps=3, checkpoint__interval=0,
                                            evaluation__tasks=tasks, evaluation__interval=2, evaluation__limit=40, training__cpu_threads=1,
                                            logging__tensorboard__enabled="true"), environ={})
     write_job_dir(cfg)
     assert Trainer(cfg, cfg.job_dir).train().step == 3  # the failing task raised nothing out of the loop
+    assert reported == []
     lines = [json.loads(line) for line in (cfg.job_dir / "metrics.jsonl").read_text().splitlines()]
     failed = [r for r in lines if r.get("event") == "eval_failed"]
     assert [r["step"] for r in failed] == [2, 3]

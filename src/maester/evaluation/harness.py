@@ -3,19 +3,40 @@ the metrics as flat `eval/<task>/<metric>` numbers, lm-eval's printed table, and
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 
 def run_tasks(lm, specs: list[str], manager, *, limit: float | None = None, num_fewshot: int | None = None,
-              log_samples: bool = False, bootstrap_iters: int = 100_000) -> dict | None:
+              log_samples: bool = False, bootstrap_iters: int = 100_000, environment: bool = True) -> dict | None:
     """lm-eval's results of `specs` on `lm` (seeds, few-shot handling and metrics as `lm_eval` sets them), or
     None on a process other than the first of its node, where lm-eval reports nothing. `limit`: documents per task
-    (below 1: a share of them)."""
+    (below 1: a share of them). `environment=False` leaves out the environment report (see below)."""
     from lm_eval import simple_evaluate
 
-    return simple_evaluate(model=lm, tasks=list(specs), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                           log_samples=log_samples, bootstrap_iters=bootstrap_iters, batch_size=lm.batch_size,
-                           device=str(lm.device))
+    with contextlib.nullcontext() if environment else _without_environment_report():
+        return simple_evaluate(model=lm, tasks=list(specs), task_manager=manager, limit=limit,
+                               num_fewshot=num_fewshot, log_samples=log_samples, bootstrap_iters=bootstrap_iters,
+                               batch_size=lm.batch_size, device=str(lm.device))
+
+
+@contextlib.contextmanager
+def _without_environment_report():
+    """simple_evaluate ends its results with the environment: `git describe` in the working directory (which prints
+    "fatal: not a git repository" outside one) and torch's collect_env (pip, conda, nvidia-smi; 6 s on a busy 2-core
+    machine). In the training loop that is paid per task at every evaluation, on rank 0 while the others wait, for
+    facts the job's log already has; lm-eval has no switch for it, so its two functions are skipped meanwhile."""
+    from lm_eval import evaluator
+
+    names = [n for n in ("add_env_info", "get_git_commit_hash") if hasattr(evaluator, n)]
+    saved = {n: getattr(evaluator, n) for n in names}
+    try:
+        for name in names:
+            setattr(evaluator, name, lambda *args: None)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(evaluator, name, function)
 
 
 def flat_metrics(results: dict) -> dict[str, float]:

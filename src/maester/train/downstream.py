@@ -72,7 +72,7 @@ class DownstreamEvaluation:
             try:
                 with self._evaluating():
                     results = run_tasks(self.lm, [spec], self.manager, limit=self.cfg.limit,
-                                        num_fewshot=self.cfg.num_fewshot, bootstrap_iters=0)
+                                        num_fewshot=self.cfg.num_fewshot, bootstrap_iters=0, environment=False)
                 metrics.update(flat_metrics(results) if results is not None else {})
             except Exception as e:  # a task's failure is reported, and training goes on
                 error = f"{type(e).__name__}: {e}"
