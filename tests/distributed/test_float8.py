@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 from benchmarks.float8_losses import float8, overrides, run_job, write_seed
-from tests.helpers import DEMO_CONFIG
+from tests.helpers import DEMO_CONFIG, rewrite_manifest
 
 pytest.importorskip("torchao", reason="the float8 extra (torchao) is part of the dev group")
 
@@ -94,6 +94,7 @@ def test_float8_checkpoint_is_high_precision(demo, fsdp2, tmp_path):
     assert data["training"]["float8"]["enabled"]
     data["training"]["float8"] = {"enabled": False}
     (plain / "config.json").write_text(json.dumps(data))
+    rewrite_manifest(plain)
     logits = [hf_logits(to_hf(path, tmp_path / f"hf-{path.name}")) for path in (checkpoint, plain)]
     assert (logits[0] == logits[1]).all()
 
