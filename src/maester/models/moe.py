@@ -14,6 +14,7 @@ device buffers that `moe_metrics` reads on logging steps only.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -88,10 +89,34 @@ class GroupedExperts(nn.Module):
         """Expert by expert; reads the group sizes on the host (a sync per layer, where no grouped GEMM runs)."""
         gate_proj, up_proj, down_proj = weights
         outs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):
+        for e, chunk in enumerate(x.split(group_sizes(counts[None], [x.shape[0]])[0])):
             h = self._act(F.linear(chunk, gate_proj[e])) * F.linear(chunk, up_proj[e])
             outs.append(F.linear(h, down_proj[e]))
         return torch.cat(outs)
+
+
+_BALANCED = False  # set by `balanced_routing`
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """While on, `group_sizes` gives the sizes balanced routing would, without reading the tensor: for a memory plan
+    on fake tensors (`maester.plan`), which have shapes but no values to read back."""
+    global _BALANCED
+    before, _BALANCED = _BALANCED, True
+    try:
+        yield
+    finally:
+        _BALANCED = before
+
+
+def group_sizes(counts: torch.Tensor, totals: list[int]) -> list[list[int]]:
+    """The rows of the 2-D `counts` on the host (one device read); row i sums to `totals[i]`. Under
+    `balanced_routing`, each total split as evenly as balanced routing splits it, without the read."""
+    if not _BALANCED:
+        return counts.tolist()
+    n = counts.shape[-1]
+    return [[total // n + (i < total % n) for i in range(n)] for total in totals]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

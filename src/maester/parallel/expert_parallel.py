@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from maester.models.moe import MoEFeedForward, moe_layers
+from maester.models.moe import MoEFeedForward, group_sizes, moe_layers
 
 
 class _ExpertDispatch:
@@ -40,8 +40,8 @@ class _ExpertDispatch:
         x, counts = args
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts.contiguous(), group=self.group)  # [from rank i][local expert]
-        by_rank = torch.stack([counts.view(self.ep, -1).sum(1), received.view(self.ep, -1).sum(1)]).tolist()
-        self.input_splits, self.output_splits = by_rank
+        by_rank = torch.stack([counts.view(self.ep, -1).sum(1), received.view(self.ep, -1).sum(1)])
+        self.input_splits, self.output_splits = group_sizes(by_rank, [x.shape[0], x.shape[0]])
         x = all_to_all_single_autograd(x, self.output_splits, self.input_splits, self.group)
         # The tokens arrive grouped by source rank, then by local expert: regroup them by local expert.
         per_source = received.view(self.ep, -1)
