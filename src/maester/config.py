@@ -212,8 +212,10 @@ class ParallelConfig(Section):
     n_layers); None: an even split, the earlier stages taking one more where it does not divide."""
     ep: int = Field(1, ge=1)
     """Expert parallel degree (MoE models): divides dp_shard; the experts are split over ep ranks."""
-    fsdp_reshard_after_forward: bool = True
-    """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward)."""
+    fsdp_reshard_after_forward: bool | None = None
+    """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward). None:
+    True, except under pipeline parallel (pp > 1), where resharding would gather every block again in each
+    micro-batch's forward and backward (torchtitan's default)."""
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """FSDP compute dtype of parameters; `auto`: the one `training.precision` computes in (another value must
     agree with it)."""
@@ -221,6 +223,10 @@ class ParallelConfig(Section):
     """FSDP gradient reduction dtype."""
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory."""
+    force_fsdp: bool = False
+    """Apply FSDP2 where dp_shard is 1 too (one process: a one-rank mesh): mixed precision by FSDP's policy rather
+    than autocast, `cpu_offload` on one GPU, and, on one GPU, the code path that multi-GPU runs take (the GPU check
+    uses it)."""
     activation_checkpointing: Literal["none", "full", "selective-op"] = "none"
     activation_checkpointing_every: int = Field(1, ge=1)
     """Checkpoint every N-th transformer block (1: all of them)."""

@@ -57,6 +57,17 @@ def test_gpu_intent_ignores_hidden_devices():
                                "SLURM_JOB_GPUS": "(null)"}) == []
 
 
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure", "fp16"])
+def test_every_gpu_precision_means_a_gpu_was_meant(precision):
+    # A half-precision run with no GPU variables set (a workstation whose driver broke) must not fall back to the
+    # CPU: bf16-pure and fp16 count as GPU intent as bf16 does.
+    assert gpu_intent(precision, {}) == [f"training.precision = {precision!r}"]
+    assert gpu_intent("fp32", {}) == gpu_intent("auto", {}) == []
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=f"training.precision = '{precision}'"):
+            choose_device_type("auto", precision, env={})
+
+
 @no_gpu
 def test_trainer_refuses_auto_on_cpu_in_a_gpu_job(tmp_path, monkeypatch):
     from maester.config import load_config

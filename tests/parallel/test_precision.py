@@ -111,10 +111,61 @@ def test_buffers_go_to_the_buffer_device():
     assert "rotary.inv_freq" not in model.state_dict()  # still a non-persistent buffer
 
 
+# CPU offload on one GPU: FSDP2 on a one-rank mesh (F7; the check's cuda tests must not be refused by the config)
+OFFLOAD_ON_ONE_GPU = dict(training__device="cuda", parallel__cpu_offload="true", parallel__force_fsdp="true")
+
+
+def test_the_one_gpu_offload_layout_is_accepted_and_offload_without_fsdp_says_how(tmp_path):
+    from maester.parallel.dims import ParallelDims
+
+    corpus = tmp_path / "corpus.parquet"
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", **OFFLOAD_ON_ONE_GPU), environ={})
+    dims = ParallelDims.from_config(cfg, 1)
+    assert dims.fsdp_enabled and dims.dp_shard == 1 and not dims.ddp_enabled
+    without = {**OFFLOAD_ON_ONE_GPU, "parallel__force_fsdp": "false"}
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "jobs", **without), environ={})
+    with pytest.raises(ValueError, match="cpu_offload applies to FSDP only.*set parallel.force_fsdp = true"):
+        ParallelDims.from_config(cfg, 1)
+
+
+def test_fsdp_on_one_rank_trains_exactly_like_one_process_and_resumes(tmp_path):
+    """parallel.force_fsdp: FSDP2 on a one-rank mesh in a single process (its own process group), the same numbers
+    as the plain model on the CPU, DCP checkpoints of DTensors that resume."""
+    losses = {}
+    for name, extra in (("plain", {}), ("fsdp", {"parallel__force_fsdp": "true"})):
+        cfg, trainer = run(tmp_path, name, **extra)
+        try:
+            assert (type(trainer.model).__name__ == "FSDPTransformer") == bool(extra)
+            assert dist.is_initialized() == bool(extra)
+            trainer.train()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        losses[name] = [r["loss"] for r in read_metrics(cfg.job_dir / "metrics.jsonl")]
+    assert losses["fsdp"] == losses["plain"] and len(losses["plain"]) == 6
+    cfg = load_config(None, tiny_overrides(tmp_path / "corpus.parquet", tmp_path / "jobs", "fsdp",
+                                           training__steps=6, checkpoint__interval=3,
+                                           parallel__force_fsdp="true"), environ={})
+    (cfg.job_dir / "checkpoints" / "step-6").rename(cfg.job_dir / "step-6-moved")  # resume from step 3
+    trainer = Trainer(cfg, cfg.job_dir)
+    try:
+        assert trainer.step == 3
+        trainer.train()
+    finally:
+        dist.destroy_process_group()
+    resumed = [r["loss"] for r in read_metrics(cfg.job_dir / "metrics.jsonl")][-3:]
+    assert resumed == losses["fsdp"][3:]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpu_offload_trains_on_one_gpu(tmp_path):  # pragma: no cover - GPU check
-    cfg, trainer = run(tmp_path, "offload", training__device="cuda", parallel__cpu_offload="true",
-                       parallel__dp_shard=1)
-    assert all(b.is_cuda for b in trainer.model.buffers())
-    trainer.train()
+    cfg, trainer = run(tmp_path, "offload", **OFFLOAD_ON_ONE_GPU)
+    try:
+        assert all(b.is_cuda for b in trainer.model.buffers())
+        assert all(p.device.type == "cpu" for p in trainer.model.parameters())
+        trainer.train()
+    finally:
+        dist.destroy_process_group()
+    losses = [r["loss"] for r in read_metrics(cfg.job_dir / "metrics.jsonl")]
+    assert len(losses) == 6 and losses[-1] < losses[0]

@@ -14,6 +14,15 @@ from maester.data.batch import BatchPlan
 from maester.parallel.pipeline import check_pipeline
 
 
+FLATTENED = {
+    "dp_shard": ("dp_shard_mod_ep", "ep"),
+    "dp_shard_cp": ("dp_shard_mod_ep", "ep", "cp"),
+    "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
+    "dp_cp": ("dp_replicate", "dp_shard_mod_ep", "ep", "cp"),
+}
+"""The mesh's flattened dimensions and the dimensions each spans."""
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """world = pp x dp_replicate x dp_shard x cp x tp; ep (expert parallel) divides dp_shard and has no ranks of its
@@ -26,6 +35,7 @@ class ParallelDims:
     cp: int = 1
     pp: int = 1
     ep: int = 1
+    force_fsdp: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
@@ -40,7 +50,7 @@ class ParallelDims:
             raise ValueError(f"parallel layout {layout} does not divide the {world_size} process(es): make the "
                              f"product of the degrees {'divide' if p.dp_shard == -1 else 'equal'} the world size")
         shard = world_size // fixed if p.dp_shard == -1 else p.dp_shard
-        dims = cls(p.dp_replicate, shard, p.tp, world_size, cp=p.cp, pp=p.pp, ep=p.ep)
+        dims = cls(p.dp_replicate, shard, p.tp, world_size, cp=p.cp, pp=p.pp, ep=p.ep, force_fsdp=p.force_fsdp)
         if others * shard != world_size:
             raise ValueError(f"parallel layout {layout} = {others * shard} processes, but {world_size} "
                              f"were launched: set parallel.dp_shard = -1 or launch that many")
@@ -104,7 +114,8 @@ class ParallelDims:
         if not self.fsdp_enabled:
             for key, default in (("param_dtype", "auto"), ("cpu_offload", False)):
                 if getattr(p, key) != default:
-                    raise ValueError(f"parallel.{key} applies to FSDP only, but dp_shard = {self.dp_shard}")
+                    raise ValueError(f"parallel.{key} applies to FSDP only, but dp_shard = {self.dp_shard}: set "
+                                     f"parallel.force_fsdp = true for FSDP on dp_shard = 1 (one GPU)")
         self.batch_plan(cfg, dp_rank=0)  # refuses a global batch that does not split
 
     @property
@@ -113,37 +124,69 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1 or self.cp > 1
+        return self.dp_shard > 1 or self.cp > 1 or self.force_fsdp
 
     @property
     def ddp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1 and not self.force_fsdp
 
-    @cached_property
+    @property
     def mesh(self):
         """The mesh ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"), every dimension kept (size 1
-        where unused), with flattened views:
+        where unused). Its flattened views (`FLATTENED`, taken with `submesh`):
         - "dp_shard" = dp_shard_mod_ep x ep: FSDP of the dense parameters without CP;
         - "dp_shard_cp" = dp_shard x cp: FSDP of the dense parameters (the cp ranks hold the same weights);
         - "dp" = dp_replicate x dp_shard: the data-parallel ranks, one batch each (the cp and tp ranks of one dp
           rank read the same batch);
         - "dp_cp" = dp x cp: where the step's label tokens and loss are summed.
         Experts are split over "ep" and FSDP-sharded over "dp_shard_mod_ep"."""
+        return self._meshes[0]
+
+    @property
+    def _flattened(self) -> dict:
+        return self._meshes[1]
+
+    @cached_property
+    def _meshes(self) -> tuple:
+        """The mesh and its flattened views, made together (every rank creates their process groups in the same
+        order). The views are kept as `_flatten` returns them: torch deprecates slicing a flattened name from the
+        root mesh ("users need to bookkeep the flattened mesh directly")."""
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # "cpu:gloo,cuda:nccl" on GPUs
         mesh = init_device_mesh(device_type,
                                 (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"))
-        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-        mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
-        mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("dp_cp")
-        return mesh
+        return mesh, {name: mesh[dims]._flatten(name) for name, dims in FLATTENED.items()}
+
+    def submesh(self, *names: str):
+        """The mesh of the dimensions `names`, in mesh order: the mesh's own or flattened ones (`FLATTENED`), such
+        as ("dp_replicate", "dp_shard") for HSDP. Flattened ones are the kept meshes, joined to the others with
+        DeviceMesh._concatenate (no new process groups); a torch without it slices the root as before."""
+        flat = self._flattened
+        if not any(name in flat for name in names):
+            return self.mesh[names[0] if len(names) == 1 else names]
+        if len(names) == 1:
+            return flat[names[0]]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        concatenate = getattr(DeviceMesh, "_concatenate", None)
+        if concatenate is None:
+            return self.mesh[names]
+        return concatenate([flat[name] if name in flat else self.mesh[name] for name in names])
+
+    def process_groups(self) -> list:
+        """Every process group of the mesh, the flattened views' too (`DeviceMesh.get_all_groups` leaves those
+        out), each once."""
+        groups: list = []
+        for group in [*self.mesh.get_all_groups(), *(m.get_group() for m in self._flattened.values())]:
+            if not any(group is g for g in groups):
+                groups.append(group)
+        return groups
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
+        return self.submesh("dp").get_local_rank()
 
     def batch_plan(self, cfg: Config, dp_rank: int | None = None) -> BatchPlan:
         """How a step's batch splits over the data-parallel ranks; `dp_rank` None: this process's."""
@@ -154,13 +197,14 @@ class ParallelDims:
 
 
 def init_distributed(device_choice: str = "auto", timeout_s: float | None = None,
-                     precision: str = "auto") -> tuple[int, int, torch.device]:
+                     precision: str = "auto", one_rank_group: bool = False) -> tuple[int, int, torch.device]:
     """Join the process group when launched by torchrun: on GPUs NCCL/RCCL for device tensors and gloo for host
     tensors (`devices.process_group_backend`), on CPU gloo.
 
     `device_choice` is `training.device` (`auto` refuses the CPU where a GPU was meant: `devices.choose_device_type`),
-    `timeout_s` the collective timeout (None: torch's default), `precision` is `training.precision`. Returns the
-    rank, the world size and this rank's device.
+    `timeout_s` the collective timeout (None: torch's default), `precision` is `training.precision`;
+    `one_rank_group`: a single process gets a process group of its own too (FSDP on one rank needs a mesh).
+    Returns the rank, the world size and this rank's device.
     """
     from maester.parallel.devices import choose_device_type, process_group_backend
 
@@ -173,13 +217,17 @@ def init_distributed(device_choice: str = "auto", timeout_s: float | None = None
             os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device(device_type)
-    if world == 1 and not dist.is_initialized():
+    if world == 1 and not dist.is_initialized() and not one_rank_group:
         return 0, 1, device
     if not dist.is_initialized():
         from datetime import timedelta
 
-        dist.init_process_group(process_group_backend(device_type),
-                                timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None)
+        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        if "MASTER_ADDR" in os.environ:  # torchrun, or a launcher that sets its variables
+            dist.init_process_group(process_group_backend(device_type), timeout=timeout)
+        else:  # one process on its own: a store in this process
+            dist.init_process_group(process_group_backend(device_type), timeout=timeout, store=dist.HashStore(),
+                                    rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -198,8 +246,9 @@ def set_cpu_threads(setting: int | None, device: torch.device) -> int | None:
     return threads
 
 
-def set_collective_timeout(seconds: float, mesh=None, device: torch.device | None = None) -> None:
-    """Give the default process group and every group of `mesh` a new collective timeout.
+def set_collective_timeout(seconds: float, groups=(), device: torch.device | None = None) -> None:
+    """Give the default process group and `groups` (a layout's: `ParallelDims.process_groups`) a new collective
+    timeout.
 
     Every rank first finishes its queued work and meets the others at a barrier: a rank that shortened its timeout
     while another was still compiling would time out waiting for it (torchtitan's set_pg_timeouts does the same).
@@ -209,8 +258,7 @@ def set_collective_timeout(seconds: float, mesh=None, device: torch.device | Non
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier()
-    groups = [dist.group.WORLD] + (list(mesh.get_all_groups()) if mesh is not None else [])
-    for group in groups:
+    for group in [dist.group.WORLD, *groups]:
         if hasattr(group, "set_timeout"):
             group.set_timeout(timedelta(seconds=seconds))
         else:  # torch releases before ProcessGroup.set_timeout

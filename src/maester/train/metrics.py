@@ -12,6 +12,11 @@ head. H is
 the number of attention heads, Q the head dimension, T the sequence length and W a layer's sliding window
 (T for a global layer), so a model without windows gets the usual 12 * L * H * Q * T. Causal sparsity is not
 discounted and recomputation (activation checkpointing) is not counted.
+
+It is nominal, as torchtitan's and OLMo-core's (`num_flops_per_token(seq_len)`, "idealized"): T is
+`data.seq_len` whatever the batch holds. Where documents are masked apart (packed SFT, document masking) a token
+attends within its document only and the kernels do 12 * H * Q * sum(d^2) / T per layer and token for documents
+of length d, so MFU then overstates the work done by the attention term's share (README, Metrics).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from maester.train.checkpoint import Checkpointer, resolve_checkpoint
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
-from maester.train.hf_weights import load_hf_weights
+from maester.train.hf_weights import fetch_before_process_group, load_hf_weights
 from maester.models.moe import moe_metrics, update_expert_bias
 from maester.train.metrics import (
     MetricsWindow,
@@ -87,9 +87,11 @@ class _Run:
 class Trainer:
     def __init__(self, cfg: Config, job_dir: Path):
         self.cfg, self.job_dir = cfg, Path(job_dir)
+        if cfg.checkpoint.init_from_hf is not None:  # a Hub download runs under no collective timeout
+            fetch_before_process_group(cfg.checkpoint.init_from_hf)
         self.rank, self.world_size, self.device = init_distributed(cfg.training.device,
                                                                    cfg.training.init_timeout_seconds,
-                                                                   cfg.training.precision)
+                                                                   cfg.training.precision, cfg.parallel.force_fsdp)
         setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
         log.info("environment: %s%s", describe_environment(self.device),
@@ -123,10 +125,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
-        self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+        self.dp_group = self.dims.submesh("dp").get_group() if self.world_size > 1 else None
         # Context parallel: each cp rank holds a share of its dp rank's loss; the loss sums over dp x cp.
         self.context_parallel = context_parallel_of(self.model)
-        self.loss_group = self.dims.mesh["dp_cp"].get_group() if self.dims.cp > 1 else self.dp_group
+        self.loss_group = self.dims.submesh("dp_cp").get_group() if self.dims.cp > 1 else self.dp_group
         self.pp_group = self.dims.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.pipeline = None  # parallel.pp > 1: the schedule that runs this rank's stages
         if self.pp_group is not None:
@@ -371,7 +373,7 @@ class Trainer:
             if run.writer is not None:
                 run.writer.write_eval({"step": self.step, **validation})
         if run.long_timeout and (run.evaluated or not cfg.logging.eval_interval):
-            set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.mesh, device=self.device)
+            set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.process_groups(), device=self.device)
             run.long_timeout = False
 
     def _stopped_on_request(self, run: _Run) -> bool:
