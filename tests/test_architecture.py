@@ -24,6 +24,7 @@ LAYERS = [
     ("maester.config", "maester.config_data", "maester.config_job", "maester.config_sources"),  # the tree, its sources
     ("maester.data", "maester.parallel"),  # loaders; device meshes, sharding, precision, preflight
     ("maester.train",),  # the trainer, checkpoints, optimizers, metrics
+    ("maester.plan",),  # memory and time of a config's step before the queue, on fake tensors
     ("maester.jobs",),  # job directories, SLURM scripts, sweeps
     ("maester.tools",),  # data tools, convert, generate, reports
     ("maester.cli", "maester.__main__"),  # the command

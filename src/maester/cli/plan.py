@@ -77,3 +77,31 @@ def run_plan(args) -> None:
             print("\n" + layout.describe())
     if plan.verdict.kind == "out_of_memory" or (layout is not None and not layout.ok):
         sys.exit(exit_codes.CHECK_FAILED)
+
+
+def plan_before_submit(cfg, force: bool) -> dict | None:
+    """`maester submit`'s plan of a GPU job (None for a CPU job: no device memory to check): printed in short, and
+    a job predicted to run out of memory refused with the plan's table unless `force`. Returns what plan.json
+    holds; a plan this torch cannot make (`PlanUnsupported`) is said and recorded, and the job goes on."""
+    from maester.jobs.slurm import SubmitError
+    from maester.plan.make import make_plan
+    from maester.plan.memory import PlanUnsupported
+    from maester.plan.table import format_plan
+
+    gpus = declared_gpus(cfg)
+    if gpus is None:
+        return None
+    gpu, gpu_from = declared_gpu(cfg)
+    try:
+        plan = make_plan(cfg, gpus, gpu, source=f"job {cfg.job.name}", gpu_from=gpu_from)
+    except PlanUnsupported as e:
+        print(f"maester submit: no plan: {e}", file=sys.stderr)
+        return {"not_made": str(e)}
+    if plan.verdict.kind == "out_of_memory" and not force:
+        raise SubmitError(f"the plan predicts this job runs out of memory (--force submits it all the same):\n"
+                          f"{format_plan(plan)}")
+    t = plan.throughput
+    print(f"plan: {gpus} x {plan.gpu}, peak {plan.peak_gib:.1f} GiB per rank: {plan.verdict.line}; about "
+          f"{t.tokens_per_second:,.0f} tokens/s, {t.gpu_hours:,.0f} GPU-hours to step {t.steps:,} "
+          f"(`maester plan` for the table)", file=sys.stderr)
+    return plan.to_json()

@@ -289,6 +289,25 @@ def with_depth(cfg: Config, depth: int) -> Config:
     return cfg.model_copy(update={"model": model})
 
 
+def _synthetic_batch(cfg: Config, micro: int, device: torch.device) -> Batch:
+    """A micro-batch of `micro` rows of `data.seq_len` tokens, every position labelled (token ids do not change
+    memory): plain causal attention, no documents."""
+    seq = cfg.data.seq_len
+    ids = torch.zeros((micro, seq), dtype=torch.long, device=device)
+    return Batch(ids, torch.zeros_like(ids), torch.arange(seq, device=device).expand(micro, seq))
+
+
+def _step(cfg: Config, dims, model, precision, device: torch.device) -> StepMemory:
+    from maester.train.optim import build_optimizer
+
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    plan = dims.batch_plan(cfg)
+    scale = dims.dp_size * dims.cp if (dims.fsdp_enabled or dims.ddp_enabled) else 1
+    return track_step(model, optimizer, _synthetic_batch(cfg, plan.micro_batch, device),
+                      n_micro=plan.accumulation_steps, dp_scale=scale, precision=precision, device=device,
+                      max_grad_norm=cfg.training.max_grad_norm)
+
+
 def _fake_step(cfg: Config, world_size: int, rank: int, vocab: int, device_type: str) -> StepMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -297,7 +316,6 @@ def _fake_step(cfg: Config, world_size: int, rank: int, vocab: int, device_type:
     from maester.models.moe import balanced_routing
     from maester.parallel.dims import ParallelDims
     from maester.parallel.precision import resolve_precision
-    from maester.train.optim import build_optimizer
     from maester.train.setup import build_training_model
 
     device = torch.device("cpu")  # fake tensors: only their shapes and dtypes count
@@ -306,20 +324,26 @@ def _fake_step(cfg: Config, world_size: int, rank: int, vocab: int, device_type:
         dims = ParallelDims.from_config(cfg, world_size)
         precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, device_type,
                                       dims.fsdp_enabled)
-        _ = dims.mesh  # made outside the fake mode, as torchtitan's estimator does
-        plan = dims.batch_plan(cfg)
         # Built and parallelised on the meta device outside the fake mode: FSDP makes meshes on the way (experts over
         # (dp_shard_mod_ep, tp)), which compute on real tensors. Then allocated as fake tensors.
         model = build_training_model(cfg, vocab, dims, torch.device("meta"), precision, initialise=False)
         with FakeTensorMode(allow_non_fake_inputs=True), memory_of_gpu_kernels(), balanced_routing():
             materialize_for_loading(model, device)
-            optimizer = build_optimizer(model, cfg.optimizer, device)
-            micro, seq = plan.micro_batch, cfg.data.seq_len
-            ids = torch.zeros((micro, seq), dtype=torch.long)
-            batch = Batch(ids, torch.zeros_like(ids), torch.arange(seq).expand(micro, seq))
-            scale = dims.dp_size * dims.cp if (dims.fsdp_enabled or dims.ddp_enabled) else 1
-            return track_step(model, optimizer, batch, n_micro=plan.accumulation_steps, dp_scale=scale,
-                              precision=precision, device=device, max_grad_norm=cfg.training.max_grad_norm)
+            return _step(cfg, dims, model, precision, device)
+
+
+def measure_rank_memory(cfg: Config, device: torch.device, vocab: int | None = None) -> StepMemory:
+    """The same step on real tensors, counted by the same trackers: this process is one rank of the run (its
+    process group up where the run has several). What the predictions are checked against."""
+    from maester.parallel.dims import ParallelDims
+    from maester.parallel.precision import resolve_precision
+    from maester.train.setup import build_training_model
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims.from_config(cfg, world)
+    precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, device.type, dims.fsdp_enabled)
+    model = build_training_model(cfg, vocab if vocab is not None else vocab_size(cfg), dims, device, precision)
+    return _step(cfg, dims, model, precision, device)
 
 
 def _extrapolate(a: StepMemory, da: int, b: StepMemory, db: int, depth: int) -> StepMemory:
