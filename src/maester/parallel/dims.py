@@ -231,19 +231,28 @@ def init_distributed(device_choice: str = "auto", timeout_s: float | None = None
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def set_cpu_threads(setting: int | None, device: torch.device) -> int | None:
-    """Intra-op threads of this process on a CPU run (`training.cpu_threads`): the setting, else, with several
-    local processes (torchrun's LOCAL_WORLD_SIZE), the usable cores shared out between them. Returns what was set,
-    None where torch's own default stays (one process, or a GPU run). Inter-op threads stay as they are: training
-    runs no inter-op work on the CPU (autograd runs it on the calling thread)."""
+def set_cpu_threads(setting: int | None, device: torch.device) -> str | None:
+    """Intra-op threads of this process on a CPU run (`training.cpu_threads`): the setting, else the CPUs it may use
+    (`maester.cpus.usable_cpus`: affinity and cgroup quota) shared out between the local processes of a torchrun
+    (LOCAL_WORLD_SIZE), and for one process at most torch's default (its physical cores). Returns a description for
+    the log; None on a GPU run, which keeps torch's setting. Inter-op threads stay as they are: training runs no
+    inter-op work on the CPU (autograd runs it on the calling thread)."""
+    from maester.cpus import usable_cpus
+
     if device.type != "cpu":
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = setting if setting is not None else (max(1, cores // local) if local > 1 else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    return threads
+    usable = usable_cpus()
+    if setting is not None:
+        threads = setting
+    elif local > 1:
+        threads = max(1, usable // local)
+    else:
+        threads = min(torch.get_num_threads(), usable)
+    torch.set_num_threads(threads)
+    wait = os.environ.get("OMP_WAIT_POLICY", "spinning first (libgomp's default)").lower()
+    return (f"{threads} CPU thread(s) per process ({usable} usable CPU(s) by affinity and cgroup quota"
+            f"{f', {local} local processes' if local > 1 else ''}; idle threads: {wait})")
 
 
 def set_collective_timeout(seconds: float, groups=(), device: torch.device | None = None) -> None:

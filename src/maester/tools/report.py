@@ -14,6 +14,7 @@ over it.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from pathlib import Path
 from maester.config import Config
 from maester.jobs.slurm import describe_restarts, recorded_jobs
 from maester.plan.record import compared_with_plan
-from maester.train.metrics import read_metrics
+from maester.train.checkpoint_dirs import newest_complete
+from maester.train.metrics_file import read_metrics
 from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE, read_marker
 
 RECENT = 5
@@ -164,8 +166,6 @@ def _validation_sources(evals: list[dict]) -> list[str]:
 def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dict],
                   status: Status) -> list[tuple[str, str]]:
     """The summary as (label, text) pairs, one line each."""
-    from maester.train.checkpoint import Checkpointer
-
     total = cfg.training.steps
     window = recent_window(train)
     span = _steps_span(window)
@@ -229,8 +229,8 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
         items.append(("restarts", f"{len(restarts)} after failures (slurm.max_restarts = {cfg.slurm.max_restarts})"))
         items += [("", line) for line in restarts]
 
-    checkpoint = Checkpointer(job_dir, cfg.checkpoint).latest()
-    items.append(("checkpoint", str(checkpoint.relative_to(job_dir.resolve())) if checkpoint else "none yet"))
+    checkpoint = newest_complete(job_dir / "checkpoints")
+    items.append(("checkpoint", os.path.relpath(checkpoint, job_dir) if checkpoint else "none yet"))
     return items
 
 
