@@ -59,25 +59,31 @@ def run_plan(args) -> None:
     if gpus is None:
         raise ValueError(f"{args.target}: how many GPUs? give --gpus N, or set slurm.nodes and slurm.gpus_per_node")
     gpu, gpu_from = (args.gpu, "--gpu") if args.gpu else declared_gpu(cfg)
-    plan = make_plan(cfg, gpus, gpu, source=args.target, mfu=args.mfu, gpu_memory=args.gpu_memory,
-                     gpu_from=gpu_from)
+    from maester.plan.memory import PlanUnsupported
+
+    try:
+        plan = make_plan(cfg, gpus, gpu, source=args.target, mfu=args.mfu, gpu_memory=args.gpu_memory,
+                         gpu_from=gpu_from)
+    except PlanUnsupported as e:
+        if args.ranks != "all":
+            raise
+        plan, unplanned = None, f"memory not planned: {e}"  # the layout check below still runs
     layout = None
     if args.ranks == "all":
         from maester.plan.layout import check_every_rank
 
         layout = check_every_rank(cfg, gpus)
     if args.json:
-        out = plan.to_json()
+        out = plan.to_json() if plan is not None else {"not_made": unplanned}
         if layout is not None:
             out["ranks_all"] = layout.to_json()
         print(json.dumps(out, indent=2))
     else:
-        print(format_plan(plan))
+        print(format_plan(plan) if plan is not None else unplanned)
         if layout is not None:
             print("\n" + layout.describe())
-    if plan.verdict.kind == "out_of_memory" or (layout is not None and not layout.ok):
+    if (plan is not None and plan.verdict.kind == "out_of_memory") or (layout is not None and not layout.ok):
         sys.exit(exit_codes.CHECK_FAILED)
-
 
 def plan_before_submit(cfg, force: bool) -> dict | None:
     """`maester submit`'s plan of a GPU job (None for a CPU job: no device memory to check): printed in short, and
@@ -93,7 +99,8 @@ def plan_before_submit(cfg, force: bool) -> dict | None:
         return None
     gpu, gpu_from = declared_gpu(cfg)
     try:
-        plan = make_plan(cfg, gpus, gpu, source=f"job {cfg.job.name}", gpu_from=gpu_from)
+        # The changes that would fit are planned only for a refusal: a forced job goes as it is.
+        plan = make_plan(cfg, gpus, gpu, source=f"job {cfg.job.name}", gpu_from=gpu_from, advise=not force)
     except PlanUnsupported as e:
         print(f"maester submit: no plan: {e}", file=sys.stderr)
         return {"not_made": str(e)}

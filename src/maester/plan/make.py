@@ -32,16 +32,20 @@ class Verdict:
     line: str
 
 
+def _gib(value: float) -> str:
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
 def verdict(peak_gib: float, memory_gib: float) -> Verdict:
     usable = USABLE * memory_gib
     if peak_gib <= usable:
-        return Verdict("fits", f"fits, with {usable - peak_gib:.1f} GiB of headroom: peak {peak_gib:.1f} GiB of the "
-                               f"{usable:.1f} GiB a run can count on ({100 * USABLE:.0f}% of {memory_gib:g} GiB)")
+        return Verdict("fits", f"fits, with {_gib(usable - peak_gib)} GiB of headroom: peak {_gib(peak_gib)} GiB of "
+                               f"the {_gib(usable)} GiB a run can count on ({100 * USABLE:.0f}% of {memory_gib:g} GiB)")
     if peak_gib <= memory_gib:
-        return Verdict("tight", f"tight: peak {peak_gib:.1f} GiB is within the device's {memory_gib:g} GiB but above "
-                                f"the {usable:.1f} GiB ({100 * USABLE:.0f}%) a run can count on; it may run out")
-    return Verdict("out_of_memory", f"runs out of memory by {peak_gib - memory_gib:.1f} GiB: peak "
-                                    f"{peak_gib:.1f} GiB of {memory_gib:g} GiB")
+        return Verdict("tight", f"tight: peak {_gib(peak_gib)} GiB is within the device's {memory_gib:g} GiB but "
+                                f"above the {_gib(usable)} GiB ({100 * USABLE:.0f}%) a run can count on; it may run out")
+    return Verdict("out_of_memory", f"runs out of memory by {_gib(peak_gib - memory_gib)} GiB: peak "
+                                    f"{_gib(peak_gib)} GiB of {memory_gib:g} GiB")
 
 
 @dataclass

@@ -43,7 +43,7 @@ def format_plan(plan: Plan) -> str:
                      else "no single change below fits; each planned again:")
         width = max(len(a.override) for a in plan.alternatives)
         for a in plan.alternatives:
-            lines.append(f"  {a.override:<{width}}  peak {a.peak_gib:6.1f} GiB  "
+            lines.append(f"  {a.override:<{width}}  peak {a.peak_gib:6.2f} GiB  "
                          f"{'fits' if a.fits else 'does not fit'}; {a.cost}")
     lines += ["", f"time: {t.flops_per_token / 1e9:,.1f} GFLOP per token at {100 * t.mfu:.0f}% MFU ({t.mfu_source})"]
     for reason in t.factor_reasons:
