@@ -28,6 +28,7 @@ Where the prediction departs from a GPU run, and why:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -308,6 +309,18 @@ def _step(cfg: Config, dims, model, precision, device: torch.device) -> StepMemo
                       max_grad_norm=cfg.training.max_grad_norm)
 
 
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """`logger_name`'s warnings held back (DTensor's advice on collectives: about speed, not memory)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _fake_step(cfg: Config, world_size: int, rank: int, vocab: int, device_type: str) -> StepMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -319,7 +332,7 @@ def _fake_step(cfg: Config, world_size: int, rank: int, vocab: int, device_type:
     from maester.train.setup import build_training_model
 
     device = torch.device("cpu")  # fake tensors: only their shapes and dtypes count
-    with fake_world(world_size, rank), warnings.catch_warnings():
+    with fake_world(world_size, rank), warnings.catch_warnings(), _quiet("torch.distributed.tensor._redistribute"):
         warnings.simplefilter("ignore")  # DTensor's and the mesh's advice is about speed, not about memory
         dims = ParallelDims.from_config(cfg, world_size)
         precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, device_type,
