@@ -5,13 +5,14 @@ gloo processes (tests/plan/measure_ranks.py under torchrun). Each within 10%."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 import torch
 
 from maester.config import load_config
-from maester.plan.memory import predict_rank_memory, measure_rank_memory
+from maester.plan.memory import measure_rank_memory, predict_rank_memory
 from tests.helpers import DEMO_CONFIG, REPO, clean_env
 
 CPU = ["--training.device=cpu", "--training.micro_batch_size=4", "--training.global_batch_size=8"]
@@ -40,8 +41,6 @@ def test_predicted_peak_of_one_process_within_10_percent(name):
 
 
 def test_predicted_peak_of_two_ranks_within_10_percent(tmp_path):
-    import subprocess
-
     layouts = [f"{name}={','.join(CPU + overrides)}" for name, overrides in TWO_PROCESSES.items()]
     env = clean_env(OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -108,7 +108,7 @@ def plan_before_submit(cfg, force: bool) -> dict | None:
         raise SubmitError(f"the plan predicts this job runs out of memory (--force submits it all the same):\n"
                           f"{format_plan(plan)}")
     t = plan.throughput
-    print(f"plan: {gpus} x {plan.gpu}, peak {plan.peak_gib:.1f} GiB per rank: {plan.verdict.line}; about "
-          f"{t.tokens_per_second:,.0f} tokens/s, {t.gpu_hours:,.0f} GPU-hours to step {t.steps:,} "
-          f"(`maester plan` for the table)", file=sys.stderr)
+    print(f"plan: {gpus} x {plan.gpu}: {plan.verdict.line}; about {t.tokens_per_second:,.0f} tokens/s, "
+          f"{t.gpu_hours:,.{0 if t.gpu_hours >= 10 else 2}f} GPU-hours to step {t.steps:,} (`maester plan` for the "
+          f"table)", file=sys.stderr)
     return plan.to_json()

@@ -32,20 +32,22 @@ class Verdict:
     line: str
 
 
-def _gib(value: float) -> str:
+def gib_text(value: float) -> str:
+    """GiB as the plan prints them: two decimals below 10."""
     return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
 def verdict(peak_gib: float, memory_gib: float) -> Verdict:
-    usable = USABLE * memory_gib
+    usable, peak = USABLE * memory_gib, gib_text(peak_gib)
+    share = f"{100 * USABLE:.0f}%"
     if peak_gib <= usable:
-        return Verdict("fits", f"fits, with {_gib(usable - peak_gib)} GiB of headroom: peak {_gib(peak_gib)} GiB of "
-                               f"the {_gib(usable)} GiB a run can count on ({100 * USABLE:.0f}% of {memory_gib:g} GiB)")
+        return Verdict("fits", f"fits, with {gib_text(usable - peak_gib)} GiB of headroom: peak {peak} GiB of the "
+                               f"{gib_text(usable)} GiB a run can count on ({share} of {memory_gib:g} GiB)")
     if peak_gib <= memory_gib:
-        return Verdict("tight", f"tight: peak {_gib(peak_gib)} GiB is within the device's {memory_gib:g} GiB but "
-                                f"above the {_gib(usable)} GiB ({100 * USABLE:.0f}%) a run can count on; it may run out")
-    return Verdict("out_of_memory", f"runs out of memory by {_gib(peak_gib - memory_gib)} GiB: peak "
-                                    f"{_gib(peak_gib)} GiB of {memory_gib:g} GiB")
+        return Verdict("tight", f"tight: peak {peak} GiB is within the device's {memory_gib:g} GiB but above the "
+                                f"{gib_text(usable)} GiB ({share}) a run can count on; it may run out")
+    return Verdict("out_of_memory", f"runs out of memory by {gib_text(peak_gib - memory_gib)} GiB: peak {peak} GiB "
+                                    f"of {memory_gib:g} GiB")
 
 
 @dataclass
