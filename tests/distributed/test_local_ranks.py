@@ -22,8 +22,10 @@ LAYOUTS = {
     "hsdp2x2_pp2": {"parallel.dp_replicate": "2", "parallel.dp_shard": "2", "parallel.pp": "2",
                     "training.global_batch_size": "8"},
     # experts split over ep 2 and by hidden unit over tp 2, FSDP-sharded over dp_shard / ep = 2 groups
-    "ep2_tp2_fsdp4": {"model.name": "olmoe", "model.overrides": '{"vocab_size": 256}', "parallel.ep": "2",
-                      "parallel.tp": "2", "parallel.dp_shard": "4", "training.global_batch_size": "4"},
+    # (one MoE block, the byte vocabulary: the simulation runs each op once per rank)
+    "ep2_tp2_fsdp4": {"model.name": "olmoe", "model.overrides": '{"vocab_size": 256, "n_layers": 1}',
+                      "parallel.ep": "2", "parallel.tp": "2", "parallel.dp_shard": "4",
+                      "training.global_batch_size": "4"},
 }
 
 
