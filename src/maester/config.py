@@ -279,8 +279,13 @@ LOAD_MODES: dict[str, frozenset[str]] = {
     "transfer": frozenset({"model", "optimizer"}),
     "transfer_with_lr": frozenset({"model", "optimizer", "schedule", "step"}),
     "cooldown": frozenset({"model", "optimizer", "data", "step"}),
+    "model_partial": frozenset({"model"}),
 }
 """The parts of `checkpoint.init_from` each `checkpoint.load_mode` takes; every other part starts fresh."""
+
+PARTIAL_LOAD_MODES = frozenset({"model_partial"})
+"""Load modes that take the weights a checkpoint and the model share by name, from any architecture; the others
+refuse a checkpoint of another `model.name` or with other weights."""
 
 
 HF_PREFIX = "hf:"
@@ -299,21 +304,25 @@ class CheckpointConfig(Section):
     `hf:PATH`: the weights of a Hugging Face model directory (config.json + safetensors), whose architecture must
     be the run's (`model.hf_config = PATH` takes it); it holds only weights, so only `model_only` applies."""
     load_mode: Literal["continue", "model_only", "model_data", "model_opt_data", "reset_optimizer", "transfer",
-                       "transfer_with_lr", "cooldown"] = "model_only"
+                       "transfer_with_lr", "cooldown", "model_partial"] = "model_only"
     """Which parts of `init_from` the run takes (`LOAD_MODES`); the rest start fresh. `continue`: model,
     optimizer state, schedule, data position, step (and the RNG state); `model_only`: the weights (fine-tuning);
     `model_data`: + data position; `model_opt_data`: + optimizer state and data position; `reset_optimizer`: all
     but the optimizer state; `transfer`: weights and optimizer state; `transfer_with_lr`: weights, optimizer
     state, schedule and step; `cooldown`: all but the schedule, from a checkpoint in the stable phase of its
-    schedule (a WSD run's), and this run's schedule (no warmup) decays from that step to `training.steps`."""
+    schedule (a WSD run's), and this run's schedule (no warmup) decays from that step to `training.steps`;
+    `model_partial`: the weights the checkpoint and this model share by name, whatever architecture saved it (the
+    others start fresh; every other mode refuses a checkpoint of another `model.name` or with other weights)."""
     step_offset: int = Field(0, ge=0)
     """The step a run starts at when it does not take the step from `init_from`; its schedule (warmup
     included) still starts at that step. `training.steps` stays the number of the last step: an offset of 220 with
     `training.steps = 250` trains 30 steps."""
     save_final: bool = True
-    verify: Literal["size", "full"] = "size"
-    """What a resumed run checks of a checkpoint against its manifest.json before loading it: `size`, every file's
-    size (a stat per file); `full`, also every file's CRC-32 (reads the whole checkpoint once)."""
+    verify: Literal["size", "full"] = "full"
+    """What a run checks of the checkpoint it resumes from (or `init_from`) against its manifest.json before loading
+    it: `full`, every file's size and CRC-32 (reads the whole checkpoint once, every rank its share: about 0.5 s per
+    GB on one CPU core, `benchmarks/checkpoint_verify.py`); `size`, every file's size only (a stat per file), which
+    misses a flipped bit. Either way the first steps after a load stop the run if the model cannot train."""
     trust_pickled_rng: bool = False
     """Read a checkpoint's RNG state saved by an older maester (pickled Python objects: loading them can run
     code). Off: such a file is refused with a message; checkpoints of this version hold no pickle."""
@@ -337,6 +346,10 @@ class CheckpointConfig(Section):
                 raise ValueError(f"checkpoint.init_from = {self.init_from!r}: give the Hugging Face model directory "
                                  f"after {HF_PREFIX!r}")
             taken = LOAD_MODES[self.load_mode] - {"model"}
+            if self.load_mode in PARTIAL_LOAD_MODES:
+                raise ValueError(f"checkpoint.load_mode = {self.load_mode!r} takes part of a checkpoint, and "
+                                 f"{self.init_from!r} is a Hugging Face directory, whose weights load whole: use "
+                                 f"load_mode = 'model_only'")
             if taken:
                 raise ValueError(f"checkpoint.load_mode = {self.load_mode!r} takes the {', '.join(sorted(taken))} "
                                  f"of checkpoint.init_from, but {self.init_from!r} is a Hugging Face directory, "

@@ -135,3 +135,21 @@ def test_a_hung_rank_ends_the_job_within_the_train_timeout(corpus, tmp_path):
     logs = tmp_path / "jobs" / "hang" / "logs"
     assert "model llama/tiny" in (logs / "rank-1.log").read_text()  # every rank keeps its whole log
     assert "model llama/tiny" in (logs / "rank-0.log").read_text()
+
+
+@pytest.mark.parametrize("loss, norm, overflow, bad", [
+    (2.0, 1.5, None, False), (2.0, 0.0, None, True), (float("nan"), 1.0, None, True), (2.0, float("inf"), None, True),
+    (2.0, float("inf"), 1, False),  # an fp16 overflow: the loss scaler's
+])
+def test_the_steps_after_a_load_stop_at_a_dead_or_non_finite_model(loss, norm, overflow, bad, tmp_path):
+    from maester.train.nonfinite import AfterLoadWatch
+
+    watch = AfterLoadWatch(tmp_path / "step-30", 30, torch.device("cpu"))
+    watch.observe(31, torch.tensor(loss), torch.tensor(norm), None if overflow is None else torch.tensor(overflow))
+    if bad:
+        with pytest.raises(ValueError, match=f"step 31, 1 step\\(s\\) after loading the checkpoint {tmp_path}/step-30"):
+            watch.check(31)
+    else:
+        assert watch.check(31) is False
+        watch.observe(40, torch.tensor(2.0), torch.tensor(1.0), None)
+        assert watch.check(40) is True  # 10 steps watched

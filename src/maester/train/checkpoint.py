@@ -39,12 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from maester.config import LOAD_MODES, CheckpointConfig
+from maester.config import LOAD_MODES, PARTIAL_LOAD_MODES, CheckpointConfig
 from maester.files import fsync_dir, point_link, write_durably
 from maester.train.checkpoint_files import (
     DAMAGED, MANIFEST, STEP_DIR, TRAINER_STATE, capture_rng_state, dcp_load, describe_files,
-    has_optimizer_state, is_complete, load_model_weights, read_rng_state, read_trainer_state, restore_rng_state,
-    single_process_ok, step_dirs, verify_checkpoint,
+    has_optimizer_state, is_complete, load_model_weights, match_model, read_rng_state, read_trainer_state,
+    restore_rng_state, single_process_ok, step_dirs, verify_checkpoint,
 )
 from maester.train.faults import maybe_crash
 
@@ -63,19 +63,23 @@ log = logging.getLogger("maester")
 
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, level: str = "size") -> Path:
     """A checkpoint directory from a checkpoint path, a `checkpoints/` directory or a job directory (its newest
-    `step-<N>` that matches its manifest's sizes; damaged ones are skipped with a warning, not moved)."""
+    `step-<N>` that passes its manifest check at `level`; damaged ones are skipped with a warning, not moved). A
+    checkpoint named directly is refused when it fails the check."""
     path = Path(path)
     if path.is_dir() and (path / ".metadata").is_file():
         real = path.resolve()
         if not is_complete(real):
             raise ValueError(f"checkpoint {path} is incomplete (no {TRAINER_STATE} or .metadata)")
+        problems = verify_everywhere(real, level)
+        if problems:
+            raise ValueError(f"checkpoint {path} fails its manifest check ({level}): {'; '.join(problems)}")
         return real
     for directory in (path, path / "checkpoints"):
         steps = step_dirs(directory)
         for step in steps:
-            problems = verify_checkpoint(step, "size")
+            problems = verify_everywhere(step, level)
             if not problems:
                 return step.resolve()
             log.warning("skipping the damaged checkpoint %s: %s", step, "; ".join(problems))
@@ -84,6 +88,20 @@ def resolve_checkpoint(path: str | Path) -> Path:
                              f"manifest check (`maester checkpoint verify {directory}` lists why)")
     raise FileNotFoundError(f"no checkpoint at {path} (looked for a DCP checkpoint, and for step-N directories in it "
                             f"and in its checkpoints/)")
+
+
+def verify_everywhere(path: Path, level: str) -> list[str]:
+    """`verify_checkpoint` of `path` with every process of the job reading its share of the files (a collective
+    where a process group exists: a full check of a large checkpoint reads it once over all ranks, not once on rank
+    0); every rank gets all the problems found."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return verify_checkpoint(path, level)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, verify_checkpoint(path, level, share=(rank, world)))
+    return [problem for part in gathered for problem in part]
 
 
 
@@ -104,54 +122,71 @@ class Checkpointer:
     def __init__(self, job_dir: Path, cfg: CheckpointConfig, rank: int = 0):
         self.dir = Path(job_dir) / "checkpoints"
         self.cfg, self.rank = cfg, rank
+        self.hold_retention = False
+        """Saves delete no older checkpoint while set (the first steps after a load, until they prove the model)."""
 
     def latest(self) -> Path | None:
         """The newest complete `step-<N>` (not verified: for reports; a resume uses `resume_point`)."""
         return next((p for p in step_dirs(self.dir) if is_complete(p)), None)
 
     def resume_point(self) -> tuple[Path | None, list[dict]]:
-        """The checkpoint to resume from, as rank 0 finds it, on every rank (a collective): the newest `step-<N>`
-        that passes its manifest check (`checkpoint.verify`). Newer damaged ones are moved aside to
-        `step-<N>.damaged`; they come back as records ({checkpoint, moved_to, problems}) for the metrics. Ranks
-        that each looked could disagree right after a requeue, where a shared filesystem caches per node."""
+        """The checkpoint to resume from, the same on every rank (a collective): the newest `step-<N>` that passes
+        its manifest check (`checkpoint.verify`), every rank reading its share of the files for a full check. Rank 0
+        lists the candidates (ranks that each looked could disagree right after a requeue, where a shared filesystem
+        caches per node), moves damaged ones aside to `step-<N>.damaged` and repoints `latest`; the damaged ones
+        come back as records ({checkpoint, moved_to, problems}) for the metrics."""
+        candidates = self._broadcast_from_rank_zero(self._candidates)
+        damaged: list[dict] = []
+        for name in candidates:
+            path = self.dir / name
+            problems = verify_everywhere(path, self.cfg.verify)
+            if not problems:
+                self._broadcast_from_rank_zero(lambda: self._point_latest_if_elsewhere(path))
+                return path, damaged
+            aside = self._broadcast_from_rank_zero(lambda: self._move_aside(path).name)
+            log.error("CHECKPOINT DAMAGED: %s fails its manifest check (%s); moved aside to %s", path,
+                      "; ".join(problems), aside)
+            damaged.append({"checkpoint": name, "moved_to": aside, "problems": problems})
+        self._broadcast_from_rank_zero(lambda: self._no_intact_checkpoint(damaged))
+        return None, damaged
+
+    def _broadcast_from_rank_zero(self, work):
+        """`work()` run on rank 0, its value (or its ValueError or OSError, raised as a ValueError) on every rank."""
         import torch.distributed as dist
 
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self._find_resume_point()
         box: list = [None]
         if self.rank == 0:
             try:
-                found, damaged = self._find_resume_point()
-                box[0] = ("ok", None if found is None else str(found), damaged)
+                box[0] = ("ok", work())
             except (ValueError, OSError) as e:
-                box[0] = ("error", str(e), None)
-        dist.broadcast_object_list(box, src=0)
-        kind, value, damaged = box[0]
+                box[0] = ("error", str(e))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
         if kind == "error":
             raise ValueError(value)
-        return (None if value is None else Path(value)), damaged
+        return value
 
-    def _find_resume_point(self) -> tuple[Path | None, list[dict]]:
+    def _candidates(self) -> list[str]:
+        """The `step-<N>` names to try, newest first, after the checks that fail a resume at once."""
         link = self.dir / "latest"
         if link.is_dir() and not link.is_symlink():
             raise ValueError(f"{link} is a directory, not a link (a copy made with cp -a, cp -L or rsync -L): the "
                              f"step-N directories beside it are the checkpoints. Remove it, or rename it to the "
                              f"step-N its {TRAINER_STATE} names if that checkpoint is not beside it")
         self._check_writable()
-        damaged = []
-        for path in step_dirs(self.dir):
-            problems = verify_checkpoint(path, self.cfg.verify)
-            if not problems:
-                if not (link.is_symlink() and os.readlink(link) == path.name):
-                    log.warning("%s %s; resuming from the newest intact checkpoint %s and pointing the link at it",
-                                link, f"points to {os.readlink(link)}" if link.is_symlink() else "is missing",
-                                path.name)
-                    self._point_latest_to(path)
-                return path, damaged
-            aside = self._move_aside(path)
-            log.error("CHECKPOINT DAMAGED: %s fails its manifest check (%s); moved aside to %s", path,
-                      "; ".join(problems), aside.name)
-            damaged.append({"checkpoint": path.name, "moved_to": aside.name, "problems": problems})
+        return [p.name for p in step_dirs(self.dir)]
+
+    def _point_latest_if_elsewhere(self, path: Path) -> None:
+        link = self.dir / "latest"
+        if not (link.is_symlink() and os.readlink(link) == path.name):
+            log.warning("%s %s; resuming from the newest intact checkpoint %s and pointing the link at it",
+                        link, f"points to {os.readlink(link)}" if link.is_symlink() else "is missing", path.name)
+            self._point_latest_to(path)
+
+    def _no_intact_checkpoint(self, damaged: list[dict]) -> None:
+        """Raise when the job has checkpoints but none intact (or a `latest` pointing at nothing)."""
+        link = self.dir / "latest"
         found = sorted(p.name for p in self.dir.glob(f"step-*{DAMAGED}*")) if self.dir.is_dir() else []
         if found:
             details = "".join(f"\n  {d['checkpoint']} (moved to {d['moved_to']}): {'; '.join(d['problems'])}"
@@ -161,7 +196,20 @@ class Checkpointer:
         if link.is_symlink():
             raise ValueError(f"{link} points to a missing checkpoint ({os.readlink(link)}) and no step-N directory "
                              f"is beside it")
-        return None, damaged
+
+    def set_aside_after(self, loaded: Path) -> list[str]:
+        """Move aside (`step-<N>.damaged`) the checkpoints saved after checkpoint `loaded` was loaded, whose model
+        turned out not to train, and point `latest` back at it; returns the names moved (rank 0 moves, every rank
+        returns them)."""
+        def work() -> list[str]:
+            step = read_trainer_state(loaded)["step"]
+            moved = [self._move_aside(p).name for p in step_dirs(self.dir)
+                     if int(STEP_DIR.match(p.name)[1]) > step]
+            if moved and loaded.parent == self.dir:
+                self._point_latest_to(loaded)
+            return moved
+
+        return self._broadcast_from_rank_zero(work)
 
     def _move_aside(self, path: Path) -> Path:
         aside, n = path.with_name(path.name + DAMAGED), 1
@@ -241,7 +289,8 @@ class Checkpointer:
         if self.rank == 0:
             maybe_crash("before_latest", step)
             self._point_latest_to(final)
-            self._apply_retention(step)
+            if not self.hold_retention:
+                self._apply_retention(step)
         _barrier()
         return final
 
@@ -293,19 +342,28 @@ class Checkpointer:
         for s in steps:
             if s not in keep:
                 doomed = self.dir / f"step-{s}"
+                if doomed.is_symlink():  # a checkpoint kept elsewhere and linked in: the link goes, never its target
+                    target = os.readlink(doomed)
+                    doomed.unlink()
+                    log.info("retention: removed the link %s; its target %s is left as it is", doomed, target)
+                    continue
                 trash = self.dir / f"step-{s}.deleting.tmp"
                 os.replace(doomed, trash)  # no half-deleted directory ever carries a step-<N> name
                 shutil.rmtree(trash)
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "continue") -> dict:
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "continue",
+             family: str | None = None) -> dict:
         """Restore the parts of checkpoint `path` that load mode `mode` takes (`LOAD_MODES`) into `model` and
         `optimizer`, resharded to their current layout; returns the trainer state (step, data position, ...) for
         the caller to take the rest from. `continue` also restores this rank's RNG state.
 
         The optimizer keeps the config's hyperparameters (betas, weight decay, ...); only its state (moments,
-        step counts) is taken. A part the mode needs but the checkpoint lacks is an error.
+        step counts) is taken. A part the mode needs but the checkpoint lacks is an error, and so is a checkpoint of
+        another architecture than `family` (the run's `model.name`) or with other weights, unless the mode is
+        partial (`PARTIAL_LOAD_MODES`, `match_model`).
         """
         parts = LOAD_MODES[mode]
+        partial = mode in PARTIAL_LOAD_MODES
         trainer_state = read_trainer_state(path)
         if "optimizer" in parts and not has_optimizer_state(path):
             raise ValueError(f"load mode {mode!r} takes the optimizer state, but checkpoint {path} has none (a seed "
@@ -315,8 +373,9 @@ class Checkpointer:
             raise ValueError(f"load mode {mode!r} takes the data position, but checkpoint {path} has none (a seed "
                              f"or converted checkpoint); use a mode that starts the data fresh")
         if "optimizer" not in parts:
-            load_model_weights(path, model)
+            load_model_weights(path, model, family, partial)
             return trainer_state
+        match_model(path, model, family)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         hyperparameters = copy.deepcopy(optim_sd["param_groups"])
         # The per-parameter state only, keyed by parameter name: the groups may differ where the checkpoint was

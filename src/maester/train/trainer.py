@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from maester.config import LOAD_MODES, Config
 from maester.data.batch import IGNORE_INDEX
+from maester.data.downloads import VERIFIED as VERIFIED_DOWNLOADS, verify_downloaded
 from maester.data.loader import build_loader
+from maester.data.sources import local_files
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
@@ -27,6 +29,7 @@ from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
 from maester.train.checkpoint import Checkpointer, resolve_checkpoint
+from maester.train.checkpoint_dirs import check_seedable
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
@@ -41,7 +44,7 @@ from maester.train.metrics import (
     open_metrics,
     peak_memory_gib,
 )
-from maester.train.nonfinite import NonFiniteError, NonFiniteGuard, skips_on_device
+from maester.train.nonfinite import AfterLoadWatch, NonFiniteError, NonFiniteGuard, skips_on_device
 from maester.train.optim import build_optimizer, clip_grad_norm, full_value
 from maester.train.preemption import (
     REQUEUE_FILE,
@@ -143,11 +146,15 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
                                         param_device, self.loss_group)
 
+        if self.rank == 0 and cfg.data.verify_downloads:  # a swapped file of a download is an error, not data
+            verify_downloaded([f for s in cfg.data.sources + cfg.data.validation for f in local_files(s)],
+                              self.job_dir / VERIFIED_DOWNLOADS)
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
                                    batch=self.dims.batch_plan(cfg), group=self.dp_group)
         self.step, self.tokens_seen = 0, 0
         self.schedule_start = 0  # steps done before the LR schedule began (its warmup starts at the next step)
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
+        self.after_load: AfterLoadWatch | None = None  # the first steps after a checkpoint was loaded
         self._validation = None
         self._resume_or_initialise()
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
@@ -161,11 +168,11 @@ class Trainer:
         """Resume from the job's own latest checkpoint, with everything in it; else take the parts of
         `checkpoint.init_from` that `checkpoint.load_mode` names (of an `hf:` directory, the weights only); else start
         fresh at `checkpoint.step_offset`."""
-        c, total = self.cfg.checkpoint, self.cfg.training.steps
-        latest = self._latest
+        c, latest = self.cfg.checkpoint, self._latest
         if self._resuming:
-            state = self.checkpointer.load(latest, self.model, self.optimizer, "continue")
+            state = self.checkpointer.load(latest, self.model, self.optimizer, "continue", self.cfg.model.name)
             self._take_trainer_state(state, LOAD_MODES["continue"])
+            self.after_load = self._watch_after_load(latest)
             self.provenance = {k: state[k] for k in ("init_from", "load_mode") if k in state}
             log.info("resumed from %s at step %d", latest, self.step)
             return
@@ -173,8 +180,9 @@ class Trainer:
             if c.init_from:
                 raise ValueError(f"{self.job_dir} has the seed checkpoint {latest} and checkpoint.init_from is set "
                                  f"too: start from one of them")
-            self.checkpointer.load(latest, self.model, self.optimizer, "model_only")
+            self.checkpointer.load(latest, self.model, self.optimizer, "model_only", self.cfg.model.name)
             self._take_trainer_state({}, LOAD_MODES["model_only"])
+            self.after_load = self._watch_after_load(latest)
             log.info("initialised model weights from the seed checkpoint %s", latest)
         elif c.init_from_hf is not None:
             source = c.init_from_hf  # a directory or a Hub id, resolved where it is read
@@ -184,22 +192,27 @@ class Trainer:
             log.info("initialised the model weights from the Hugging Face directory %s; fresh: optimizer, schedule, "
                      "data, step; first step %d", source, self.step + 1)
         elif c.init_from:
-            source, mode = resolve_checkpoint(c.init_from), c.load_mode
+            source, mode = resolve_checkpoint(c.init_from, c.verify), c.load_mode
             parts = LOAD_MODES[mode]
             if mode == "cooldown":
                 check_stable_phase(source, self.cfg)
-            state = self.checkpointer.load(source, self.model, self.optimizer, mode)
+            state = self.checkpointer.load(source, self.model, self.optimizer, mode, self.cfg.model.name)
             try:
                 self._take_trainer_state(state, parts)
             except ValueError as e:  # the data position of other data
                 raise ValueError(f"checkpoint.load_mode = {mode!r} takes the data position of {source}: {e}") from e
             self.provenance = {"init_from": str(source), "load_mode": mode}
+            self.after_load = self._watch_after_load(source)
             order = ("model", "optimizer", "schedule", "data", "step")
             log.info("initialised from %s with load_mode %s: took %s; fresh: %s; first step %d", source, mode,
                      ", ".join(p for p in order if p in parts),
                      ", ".join(p for p in order if p not in parts) or "nothing", self.step + 1)
         else:
             self._take_trainer_state({}, frozenset())
+
+    def _watch_after_load(self, path: Path) -> AfterLoadWatch:
+        self.checkpointer.hold_retention = self.cfg.checkpoint.verify != "full"
+        return AfterLoadWatch(path, self.step, self.device)
 
     def _take_trainer_state(self, state: dict, parts: frozenset[str]) -> None:
         """Step (and tokens seen), data position and schedule start from a checkpoint's trainer state where
@@ -227,6 +240,8 @@ class Trainer:
                 lr_mult = self._set_lr(run.total)
                 loss, grad_norm = self._optimizer_step(batches, stats, run.profiler)
                 self._finish_step(run, batches)
+                if self.after_load is not None:
+                    self._check_after_load()
                 if self.step % self.cfg.logging.interval == 0 or self.step in (run.first_step, run.total):
                     run.loss_value = self._log(run, loss, grad_norm, lr_mult)
                 self._evaluate_if_due(run)
@@ -311,6 +326,8 @@ class Trainer:
         try:
             loss = self._forward_backward(micro_batches, stats[0])
             grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler, self.pp_group)
+            if self.after_load is not None:
+                self.after_load.observe(self.step, loss, grad_norm, overflow)
             if overflow is None:
                 if self.nonfinite.observe(self.step, loss, grad_norm):
                     self.optimizer.step()
@@ -322,6 +339,18 @@ class Trainer:
             raise
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
+
+    def _check_after_load(self) -> None:
+        """`AfterLoadWatch`: a model that cannot train stops the run and sets aside the checkpoints saved since; while
+        it lasts, after a size-only check (`checkpoint.verify = "size"`), saves delete no older checkpoint."""
+        try:
+            over = self.after_load.check(self.step)
+        except ValueError as e:
+            moved = self.checkpointer.set_aside_after(self.after_load.path)
+            raise ValueError(f"{e}" + (f"; the checkpoints saved since, {', '.join(moved)}, are set aside" if moved
+                                       else "")) from None
+        if over:
+            self.after_load, self.checkpointer.hold_retention = None, False
 
     def _finish_step(self, run: _Run, micro_batches) -> None:
         """The profiler's and the garbage collector's turn, a fault point, and the step's tokens counted."""
@@ -561,13 +590,9 @@ def check_stable_phase(source: Path, cfg: Config) -> None:
 def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
     """Initialise the model once, on one process, and save it as `step-0`: every layout that then trains the job
     starts from the same weights, so runs on different layouts are comparable."""
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise ValueError("a seed checkpoint is written by one process: run it without torchrun")
+    check_seedable(job_dir)
     setup_logging(job_dir)
     checkpointer = Checkpointer(job_dir, cfg.checkpoint)
-    if checkpointer.latest() is not None:
-        raise ValueError(f"{job_dir} already has a checkpoint ({checkpointer.latest().name}): a seed checkpoint "
-                         f"only starts a new job")
     tokenizer = build_tokenizer(cfg.tokenizer)
     model = build_model(cfg.model, tokenizer.vocab_size, torch.device("cpu"), cfg.training.seed, cfg.mup)
     path = checkpointer.save(0, model, None, {"seed_checkpoint": True}, cfg.to_json())
