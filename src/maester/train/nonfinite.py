@@ -102,13 +102,19 @@ class AfterLoadWatch:
             bad = bad & (overflow.to(self.bad.device) == 0)
         self.bad, self.values = bad, torch.stack([loss, grad_norm])
 
-    def check(self, step: int) -> bool:
-        """Raise if step `step` went wrong; True once the watched steps are over."""
+    def check(self, step: int, checkpointer) -> bool:
+        """Raise if step `step` went wrong, after setting aside the checkpoints `checkpointer` saved since; True (and
+        its retention free again) once the watched steps are over."""
         if bool(self.bad.item()):
             loss, norm = self.values.tolist()
+            moved = checkpointer.set_aside_after(self.path)
             raise ValueError(f"step {step}, {step - self.until + self.STEPS} step(s) after loading the checkpoint "
                              f"{self.path}, has a loss of {loss:.4f} and a gradient norm of {norm:.4g}: the model "
                              f"loaded cannot train. The checkpoint is damaged (`maester checkpoint verify "
                              f"{self.path} --level full` reads every byte) or was saved from a broken model; move it "
-                             f"aside to resume from an earlier one")
-        return step >= self.until
+                             f"aside to resume from an earlier one"
+                             + (f"; the checkpoints saved since, {', '.join(moved)}, are set aside" if moved else ""))
+        if step >= self.until:
+            checkpointer.hold_retention = False
+            return True
+        return False

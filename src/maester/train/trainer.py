@@ -19,18 +19,19 @@ from maester.config import LOAD_MODES, Config
 from maester.data.batch import IGNORE_INDEX
 from maester.data.downloads import VERIFIED as VERIFIED_DOWNLOADS, verify_downloaded
 from maester.data.loader import build_loader
-from maester.data.sources import local_files
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
 from maester.parallel.context_parallel import context_parallel_of
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout, set_cpu_threads
+from maester.parallel.float8 import Float8Training, check_float8
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
 from maester.train.checkpoint import Checkpointer, resolve_checkpoint
 from maester.train.checkpoint_dirs import check_seedable
 from maester.train.checkpoint_files import read_trainer_state
+from maester.train.downstream import DownstreamEvaluation, evaluate_downstream
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
 from maester.train.hf_weights import fetch_before_process_group, load_hf_weights
@@ -100,6 +101,7 @@ class Trainer:
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
         log.info("environment: %s%s", describe_environment(self.device), f", {threads}" if threads else "")
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
+        check_float8(cfg, self.dims, self.device)  # a GPU without float8, DDP, a torchao that does not fit torch
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.parallel.preflight import run_preflight
 
@@ -113,7 +115,6 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, self.device.type,
                                            self.dims.fsdp_enabled)
-        self.scaler = None  # fp16: made with the parameters, on their device
         self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
         self._latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
         # A resume overwrites every weight and restores the RNG: the random init would be work thrown away.
@@ -124,9 +125,10 @@ class Trainer:
                                           initialise=not self._resuming)
         # Parameters and FLOPs are counted on the whole model: under pp this rank holds some stages only.
         self.whole_model = getattr(self.model, "whole_model", self.model)
-        if self.precision.loss_scaling:
-            self.scaler = LossScaler(next(iter(self.model.parameters())).device)
+        # fp16: the loss scaler, made with the parameters, on their device
+        self.scaler = LossScaler(next(iter(self.model.parameters())).device) if self.precision.loss_scaling else None
         self.loss_parallel = uses_loss_parallel(self.model)
+        self.float8 = Float8Training(self.model) if cfg.training.float8.enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
@@ -147,8 +149,7 @@ class Trainer:
                                         param_device, self.loss_group)
 
         if self.rank == 0 and cfg.data.verify_downloads:  # a swapped file of a download is an error, not data
-            verify_downloaded([f for s in cfg.data.sources + cfg.data.validation for f in local_files(s)],
-                              self.job_dir / VERIFIED_DOWNLOADS)
+            verify_downloaded(cfg.data, self.job_dir / VERIFIED_DOWNLOADS)
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
                                    batch=self.dims.batch_plan(cfg), group=self.dp_group)
         self.step, self.tokens_seen = 0, 0
@@ -156,6 +157,9 @@ class Trainer:
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
         self.after_load: AfterLoadWatch | None = None  # the first steps after a checkpoint was loaded
         self._validation = None
+        # evaluation.tasks: lm-eval tasks on this sharded model
+        self.downstream = DownstreamEvaluation(cfg, self.model, self.tokenizer, self.dims, self.device,
+                                               self.precision) if cfg.evaluation.tasks else None
         self._resume_or_initialise()
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
                  "x pp %d; %d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
@@ -240,8 +244,8 @@ class Trainer:
                 lr_mult = self._set_lr(run.total)
                 loss, grad_norm = self._optimizer_step(batches, stats, run.profiler)
                 self._finish_step(run, batches)
-                if self.after_load is not None:
-                    self._check_after_load()
+                if self.after_load is not None and self.after_load.check(self.step, self.checkpointer):
+                    self.after_load = None
                 if self.step % self.cfg.logging.interval == 0 or self.step in (run.first_step, run.total):
                     run.loss_value = self._log(run, loss, grad_norm, lr_mult)
                 self._evaluate_if_due(run)
@@ -334,23 +338,13 @@ class Trainer:
             else:  # fp16: an overflow is the scaler's to handle, not a non-finite step
                 self._scaled_step(loss, grad_norm, overflow)
             update_expert_bias(self.model, self.dp_group)  # MoE's auxiliary-loss-free balancing; else nothing
+            if self.float8 is not None:
+                self.float8.after_optimizer_step()
         except torch.OutOfMemoryError:
             profiler.on_oom(self.step)
             raise
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
-
-    def _check_after_load(self) -> None:
-        """`AfterLoadWatch`: a model that cannot train stops the run and sets aside the checkpoints saved since; while
-        it lasts, after a size-only check (`checkpoint.verify = "size"`), saves delete no older checkpoint."""
-        try:
-            over = self.after_load.check(self.step)
-        except ValueError as e:
-            moved = self.checkpointer.set_aside_after(self.after_load.path)
-            raise ValueError(f"{e}" + (f"; the checkpoints saved since, {', '.join(moved)}, are set aside" if moved
-                                       else "")) from None
-        if over:
-            self.after_load, self.checkpointer.hold_retention = None, False
 
     def _finish_step(self, run: _Run, micro_batches) -> None:
         """The profiler's and the garbage collector's turn, a fault point, and the step's tokens counted."""
@@ -393,13 +387,17 @@ class Trainer:
         return loss_value
 
     def _evaluate_if_due(self, run: _Run) -> None:
-        """Evaluate every `logging.eval_interval` steps and at the end; after the first step (and evaluation),
+        """The validation loss every `logging.eval_interval` steps, the downstream tasks every `evaluation.interval`,
+        both at the end, their time kept out of the steps' throughput; after the first step (and evaluation),
         shorten the collective timeout: building, compiling and the first evaluation's recompiles are behind."""
-        cfg = self.cfg
+        cfg, start = self.cfg, time.perf_counter()
         if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == run.total):
             validation, run.evaluated = self.evaluate(), True
             if run.writer is not None:
                 run.writer.write_eval({"step": self.step, **validation})
+        if self.downstream is not None and self.downstream.due(self.step, run.total):
+            evaluate_downstream(self.downstream, self.step, run.writer)
+        run.window.exclude(time.perf_counter() - start)
         if run.long_timeout and (run.evaluated or not cfg.logging.eval_interval):
             set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.process_groups(), device=self.device)
             run.long_timeout = False
