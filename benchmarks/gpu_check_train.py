@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["--dry-run-stages"]:
         return dry_run_stages(argv[1])
-    flags = {a for a in argv if a in ("--dry-run", "--inject-host-read", "--allow-syncs")}
+    flags = {a for a in argv if a in ("--dry-run", "--inject-host-read", "--allow-syncs", "--plan")}
     world = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--world-size=")]
     argv = [a for a in argv if a not in flags and not a.startswith("--world-size=")]
     import torch
@@ -50,8 +50,21 @@ def main(argv: list[str]) -> int:
     cfg = load_config(argv[0], argv[1:], environ={})
     if "--dry-run" in flags:
         return report(dry_run(cfg, world[0] if world else 1))
+    planned = planned_peak(cfg) if "--plan" in flags else None  # before the trainer's process group is up
     return report(train(cfg, inject="--inject-host-read" in flags, allow_syncs="--allow-syncs" in flags,
-                        torch=torch))
+                        torch=torch, planned=planned))
+
+
+def planned_peak(cfg) -> dict:
+    """`maester plan`'s per-rank peak of the stage (fake tensors in a fake process group, on the CPU), to set beside
+    torch.cuda.max_memory_allocated; or why this torch cannot plan it."""
+    from maester.plan.make import predicted_peak_gib
+    from maester.plan.memory import PlanUnsupported
+
+    try:
+        return {"planned_peak_gib": round(predicted_peak_gib(cfg, 1), 3)}
+    except PlanUnsupported as e:
+        return {"plan_not_made": str(e)}
 
 
 def report(result: dict) -> int:
@@ -117,7 +130,7 @@ def dry_run(cfg, world_size: int) -> dict:
             "micro_batches": len(batches), "tokens_per_micro_batch": int(batches[0].num_tokens)}
 
 
-def train(cfg, inject: bool, allow_syncs: bool, torch) -> dict:
+def train(cfg, inject: bool, allow_syncs: bool, torch, planned: dict | None = None) -> dict:
     import torch.distributed as dist
 
     from maester.train.trainer import Trainer
@@ -164,6 +177,9 @@ def train(cfg, inject: bool, allow_syncs: bool, torch) -> dict:
     if cuda:
         figures["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         figures["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    figures.update(planned or {})
+    if cuda and (planned or {}).get("planned_peak_gib"):  # the calibration of `maester plan` on this GPU
+        figures["peak_over_planned"] = round(torch.cuda.max_memory_allocated() / 2**30 / planned["planned_peak_gib"], 3)
     problems = []
     if unexpected and not allow_syncs:
         first = min(unexpected)

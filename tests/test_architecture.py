@@ -26,6 +26,7 @@ LAYERS = [
     # loaders; device meshes, sharding, precision, preflight; lm-evaluation-harness: the model as its LM, the tasks
     ("maester.data", "maester.parallel", "maester.evaluation"),
     ("maester.train",),  # the trainer, checkpoints, optimizers, metrics
+    ("maester.plan",),  # memory and time of a config's step before the queue, on fake tensors
     ("maester.jobs",),  # job directories, SLURM scripts, sweeps
     ("maester.tools",),  # data tools, convert, generate, reports
     ("maester.cli", "maester.__main__"),  # the command

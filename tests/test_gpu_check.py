@@ -246,3 +246,16 @@ def test_environment_names_the_gpus_and_collective_library():
     assert all(g["name"] or g["arch"] for g in env["gpus"])
     assert env["nccl"] and not env["nccl"].startswith("unknown")
     json.dumps(env)
+
+
+def test_the_memory_stages_set_the_plans_peak_beside_the_measured_one(tmp_path, harness):
+    """The stages with a predicted peak run the harness with --plan: `maester plan`'s peak of the stage's own config,
+    made before the trainer's process group, goes into the figures (and on a GPU, max_memory_allocated over it)."""
+    from maester.config import load_config
+
+    gpu_check = benchmark("gpu_check")
+    planned_stages = [s.name for s in gpu_check.STAGES if "--plan" in gpu_check.command_of(s, tmp_path, False)]
+    assert planned_stages == ["gemma3-1b-sft", "llama3-8b-width", "olmoe-width"]
+    cfg = load_config(None, tiny_stage(tmp_path, "planned"), environ={})
+    planned = harness.planned_peak(cfg)
+    assert 0 < planned["planned_peak_gib"] < 1, planned

@@ -73,6 +73,10 @@ class SlurmConfig(Section):
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(0, ge=0)
     """GPUs (GCDs) per node requested with `--gpus-per-node`; 0: none (a CPU job)."""
+    gpu: str | None = None
+    """The nodes' GPU model, for the plan `maester submit` makes first and `maester plan` (its memory and peak
+    FLOPs): h100, h100-nvl, h200, a100, b200, mi250x, mi300x, ... (`maester plan --help` lists them); None: mi250x
+    with the lumi template, else h100."""
     nproc_per_node: int | None = Field(None, ge=1)
     """Training processes per node; None: `gpus_per_node`, or 1 without GPUs."""
     cpus_per_task: int | None = Field(None, ge=1)
@@ -121,6 +125,7 @@ class SlurmConfig(Section):
         # first: a control character is named as such, whatever else a value gets wrong
         for key in ("partition", "account", "qos", "mem", "time"):
             check_script_value(getattr(self, key), f"slurm.{key}", spaces=False)
+        check_script_value(self.gpu, "slurm.gpu", spaces=False)
         for key in ("python", "template"):
             check_script_value(getattr(self, key), f"slurm.{key}")
         for i, value in enumerate(self.modules):

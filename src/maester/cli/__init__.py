@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from maester import exit_codes
-from maester.cli import data, tools, training
+from maester.cli import data, plan, tools, training
 
 
 class Command(NamedTuple):
@@ -39,6 +39,7 @@ COMMANDS = {
     "status": Command(tools.add_status, tools.run_status),
     "cancel": Command(tools.add_cancel, tools.run_cancel),
     "preflight": Command(training.add_preflight, training.run_preflight, overrides=True),
+    "plan": Command(plan.add_plan, plan.run_plan, overrides=True),
     "data": Command(data.add_data, data.run_data),
 }
 

@@ -121,15 +121,19 @@ def add_submit(sub, name: str) -> None:
     p.add_argument("--chain", type=int, default=1, metavar="K",
                    help="submit K jobs, each starting when the previous ends (afterany): runs longer than the walltime")
     p.add_argument("--after", metavar="JOBID", help="the first job waits for this SLURM job to end")
+    p.add_argument("--force", action="store_true",
+                   help="submit even when the plan made first predicts the job runs out of GPU memory")
     p.add_argument("--then", action="append", default=[], metavar="COMMAND",
                    help="a post-processing command, run once in a job of its own when training completes (adds to "
                         "slurm.after; repeat for more), e.g. --then 'maester convert to-hf \"$JOB_DIR\" out/hf'")
 
 
 def run_submit(args) -> None:
+    from maester.cli.plan import plan_before_submit
     from maester.config import load_config
     from maester.jobs.job_dir import locked_for_writing, write_job_dir
     from maester.jobs.slurm import SubmitError, check_inputs, render_slurm_script, submit_job
+    from maester.plan.record import write_plan
 
     overrides = list(args.overrides) + ([f"--job.name={args.name}"] if args.name else [])
     cfg = load_config(args.config, overrides)
@@ -148,8 +152,11 @@ def run_submit(args) -> None:
     problems = check_inputs(cfg)
     if problems:
         raise SubmitError("the job would fail on the cluster:\n  " + "\n  ".join(problems))
+    plan = plan_before_submit(cfg, force=args.force)  # a GPU job predicted to run out of memory stops here
     with locked_for_writing(cfg.job_dir, "submit"):
         job_dir = write_job_dir(cfg)
+        if plan is not None:
+            write_plan(job_dir, plan)
     if args.no_submit:
         print(f"job directory {job_dir}: run with `maester train {job_dir}`, `maester launch {job_dir}` or "
               f"`sbatch {job_dir}/slurm.sh`")

@@ -241,12 +241,32 @@ class AttentionMask:
     gather_kv: Any = None  # context parallel: (k, v) -> every cp rank's k and v (`ContextSplit`); None: local
 
 
+_MEMORY_ONLY = False  # set by `memory_of_gpu_kernels`
+
+
+@contextlib.contextmanager
+def memory_of_gpu_kernels():
+    """While on, every mask is plain causal attention by SDPA (on the CPU its flash kernel), whatever the documents,
+    window, soft-cap or context-parallel split: for a memory plan on fake tensors (`maester.plan`), which computes
+    shapes, never values. Each layer then keeps what the GPU kernels (flash, cuDNN, flex, varlen) keep, its output
+    and their log-sum-exp, not the dense (seq x seq) masks and scores of the CPU's fallbacks."""
+    global _MEMORY_ONLY
+    before, _MEMORY_ONLY = _MEMORY_ONLY, True
+    try:
+        yield
+    finally:
+        _MEMORY_ONLY = before
+
+
 def attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, seq: int,
                    device: torch.device, needs_grad: bool, window: int | None = None,
                    offsets: torch.Tensor | None = None, softcap: bool = False,
                    split: ContextSplit | None = None) -> AttentionMask:
     """See `_attention_mask` (and `context_parallel_mask` with `split`); also records, outside any compiled
     block, the autocast dtype and SDPA's backend order for `attend`."""
+    if _MEMORY_ONLY:
+        return AttentionMask("sdpa", window, cast_dtype=_autocast_dtype(device),
+                             gather_kv=None if split is None else split.gather_kv)
     if split is None:
         mask = _attention_mask(choice, document_ids, batch, seq, device, needs_grad, window, offsets, softcap)
     else:
@@ -434,7 +454,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
         # QK-norm with float32 weights makes q and k float32 while v is in the autocast dtype; kernels want one
         # dtype (varlen refuses float32). torchtitan casts the same way before its kernels.
         q, k, v = q.to(mask.cast_dtype), k.to(mask.cast_dtype), v.to(mask.cast_dtype)
-    if softcap is not None and mask.backend not in ("flex", "eager"):
+    if softcap is not None and mask.backend not in ("flex", "eager") and not _MEMORY_ONLY:
         raise ValueError(f"attention scores soft-capped at {softcap}, but the mask is for {mask.backend!r}, which "
                          f"cannot cap them: build it with softcap=True")
     if mask.gather_kv is not None:

@@ -18,6 +18,7 @@ device buffers that `moe_metrics` reads on logging steps only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -83,7 +84,7 @@ class GroupedExperts(nn.Module):
         grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_supported(x, weights[2]))
         if grouped:
             return self._grouped(x.to(dtype), counts, weights)
-        return self._loop(x, counts.tolist() if host_counts is None else host_counts, weights)
+        return self._loop(x, group_sizes([counts], [x.shape[0]])[0] if host_counts is None else host_counts, weights)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         """One grouped GEMM per projection, in x's dtype (autocast does not cover `_grouped_mm`)."""
@@ -101,6 +102,32 @@ class GroupedExperts(nn.Module):
             h = self._act(F.linear(chunk, gate_proj[e])) * F.linear(chunk, up_proj[e])
             outs.append(F.linear(h, down_proj[e]))
         return torch.cat(outs)
+
+
+_BALANCED = False  # set by `balanced_routing`
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """While on, `group_sizes` gives the sizes balanced routing would, without reading the tensor: for a memory plan
+    on fake tensors (`maester.plan`), which have shapes but no values to read back."""
+    global _BALANCED
+    before, _BALANCED = _BALANCED, True
+    try:
+        yield
+    finally:
+        _BALANCED = before
+
+
+def group_sizes(parts: list[torch.Tensor], totals: list[int]) -> list[list[int]]:
+    """The 1-D count tensors `parts` on the host, in one device read; part i sums to `totals[i]`. Under
+    `balanced_routing`, each total split over its part as evenly as balanced routing splits it, without the read."""
+    if _BALANCED:
+        return [[total // p.numel() + (i < total % p.numel()) for i in range(p.numel())]
+                for p, total in zip(parts, totals)]
+    flat = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+    starts = [sum(p.numel() for p in parts[:i]) for i in range(len(parts) + 1)]
+    return [flat[a:b] for a, b in zip(starts, starts[1:])]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from maester.models.moe import MoEFeedForward, moe_layers
+from maester.models.moe import MoEFeedForward, group_sizes, moe_layers
 
 
 class _ExpertDispatch:
@@ -43,16 +43,15 @@ class _ExpertDispatch:
         dist.all_to_all_single(received, counts.contiguous(), group=self.group)  # [from rank i][local expert]
         # One host read: the split sizes, and the tokens of each local expert for the experts' loop (where no
         # grouped GEMM runs: `moe.grouped_mm_fast_path`), which then reads nothing more.
-        on_host = torch.cat([counts.view(self.ep, -1).sum(1), received.view(self.ep, -1).sum(1),
-                             received.view(self.ep, -1).sum(0)]).tolist()
-        self.input_splits, self.output_splits = on_host[:self.ep], on_host[self.ep:2 * self.ep]
+        per_source = received.view(self.ep, -1)
+        self.input_splits, self.output_splits, local_counts = group_sizes(
+            [counts.view(self.ep, -1).sum(1), per_source.sum(1), per_source.sum(0)], [x.shape[0]] * 3)
         x = all_to_all_single_autograd(x, self.output_splits, self.input_splits, self.group)
         # The tokens arrive grouped by source rank, then by local expert: regroup them by local expert.
-        per_source = received.view(self.ep, -1)
         local = torch.arange(per_source.numel(), device=counts.device) % per_source.shape[1]
         # output_size: the length known on the host; without it repeat_interleave waits for the device
         self.order = local.repeat_interleave(per_source.reshape(-1), output_size=x.shape[0]).argsort(stable=True)
-        return x[self.order], per_source.sum(0), on_host[2 * self.ep:]
+        return x[self.order], per_source.sum(0), local_counts
 
     def combine(self, module, args, out):
         """The experts' outputs back in the order they arrived, then back to the ranks that sent the tokens."""

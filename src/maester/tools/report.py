@@ -23,6 +23,7 @@ from pathlib import Path
 
 from maester.config import Config
 from maester.jobs.slurm import describe_restarts, recorded_jobs
+from maester.plan.record import compared_with_plan
 from maester.train.checkpoint_dirs import newest_complete
 from maester.train.metrics_file import read_metrics
 from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE, read_marker
@@ -241,6 +242,8 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
     if skipped and skipped[-1]:
         items.append(("skipped steps", f"{skipped[-1]} (non-finite loss or gradients)"))
 
+    items += compared_with_plan(job_dir, max(memory) if memory else None,
+                                statistics.median(tps) if tps else None)
     restarts = describe_restarts(recorded_jobs(job_dir))
     if restarts:
         items.append(("restarts", f"{len(restarts)} after failures (slurm.max_restarts = {cfg.slurm.max_restarts})"))

@@ -65,6 +65,30 @@ PEAK_FLOPS: list[tuple[str, float]] = [
     ("MI355X", 2500e12),
 ]
 
+# Memory per device in GiB, for the same keys (one GCD for MI250X/MI250), from the same datasheets: their "GB" of HBM
+# are GiB (torch reports a little less as usable, e.g. 79.2 of an 80 GB H100). A100: the 80 GB model.
+DEVICE_MEMORY_GIB: dict[str, float] = {
+    "H100": 80, "H100 NVL": 94, "H100 PCIe": 80, "H200": 141, "H200 NVL": 141, "GH200": 96, "B200": 180,
+    "GB200": 186, "B300": 288, "GB300": 288, "A100": 80, "MI210": 64, "MI250": 64, "MI250X": 64, "MI300A": 128,
+    "MI300X": 192, "MI325X": 256, "MI355X": 288,
+}
+
+
+def gpu_names() -> list[str]:
+    """The names `gpu_named` takes: the keys of PEAK_FLOPS in lower case, spaces written as '-'."""
+    return [key.lower().replace(" ", "-") for key, _ in PEAK_FLOPS]
+
+
+def gpu_named(name: str, what: str = "--gpu") -> tuple[str, float, float]:
+    """(table key, peak FLOP/s, memory GiB) of a GPU named as `maester plan --gpu` takes it (`gpu_names`, in any
+    case); `what` names the setting in the error."""
+    keys = dict(zip(gpu_names(), (key for key, _ in PEAK_FLOPS)))
+    key = keys.get(name.lower().replace(" ", "-"))
+    if key is None:
+        raise ValueError(f"{what} {name!r} is not one of {', '.join(keys)}")
+    return key, dict(PEAK_FLOPS)[key], DEVICE_MEMORY_GIB[key]
+
+
 # ROCm architecture (`gcnArchName`) to peak, for devices whose name is empty or unknown (some containers report "").
 # gfx90a is MI250X per GCD (MI210/MI250 are 181e12); gfx942 is MI300X/MI325X (MI300A is 980.6e12).
 PEAK_FLOPS_BY_ARCH: dict[str, float] = {

@@ -1,0 +1,132 @@
+"""A plan of a config on N GPUs of one kind: the per-rank memory of its step (`memory`) beside the device's, the
+verdict, the changes that would fit when it does not (`advice`), and the time to `training.steps`
+(`throughput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from maester.config import Config
+from maester.plan.advice import Alternative, alternatives
+from maester.plan.memory import GiB, StepMemory, plan_config, predict_rank_memory, vocab_size
+from maester.plan.throughput import Throughput, predict_throughput
+
+USABLE = 0.90
+"""The share of a device's memory a run can count on: the CUDA context, the communication library's buffers and
+the allocator's fragmentation take the rest."""
+
+NOTES = [
+    "blocks traced eagerly: compiled blocks can keep less (Inductor recomputes cheap ops), so with parallel.compile "
+    "the activations are an upper bound",
+    "attention counted as the GPU kernels (flash, cuDNN, flex, varlen) keep it: output and log-sum-exp",
+    "a mixture of experts counted with balanced routing: a collapsed router loads one rank's experts with more "
+    "tokens",
+]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str  # "fits", "tight" or "out_of_memory"
+    line: str
+
+
+def gib_text(value: float) -> str:
+    """GiB as the plan prints them: two decimals below 10."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def verdict(peak_gib: float, memory_gib: float) -> Verdict:
+    usable, peak = USABLE * memory_gib, gib_text(peak_gib)
+    share = f"{100 * USABLE:.0f}%"
+    if peak_gib <= usable:
+        return Verdict("fits", f"fits, with {gib_text(usable - peak_gib)} GiB of headroom: peak {peak} GiB of the "
+                               f"{gib_text(usable)} GiB a run can count on ({share} of {memory_gib:g} GiB)")
+    if peak_gib <= memory_gib:
+        return Verdict("tight", f"tight: peak {peak} GiB is within the device's {memory_gib:g} GiB but above the "
+                                f"{gib_text(usable)} GiB ({share}) a run can count on; it may run out")
+    return Verdict("out_of_memory", f"runs out of memory by {gib_text(peak_gib - memory_gib)} GiB: peak {peak} GiB "
+                                    f"of {memory_gib:g} GiB")
+
+
+@dataclass
+class Plan:
+    source: str
+    gpus: int
+    gpu: str
+    gpu_memory_gib: float
+    peak_flops: float
+    layout: str
+    memory: StepMemory
+    """Rank 0's: every rank holds the same (FSDP, TP, CP and EP shard evenly)."""
+    verdict: Verdict
+    throughput: Throughput
+    alternatives: list[Alternative] = field(default_factory=list)
+    notes: list[str] = field(default_factory=lambda: list(NOTES))
+
+    @property
+    def peak_gib(self) -> float:
+        return self.memory.peak / GiB
+
+    def to_json(self) -> dict:
+        return {
+            "config": self.source, "torch": torch.__version__, "gpus": self.gpus, "gpu": self.gpu,
+            "gpu_memory_gib": self.gpu_memory_gib, "peak_flops": self.peak_flops, "layout": self.layout,
+            "memory_gib": self.memory.to_json(),
+            "peak_gib": self.peak_gib, "usable_gib": USABLE * self.gpu_memory_gib,
+            "verdict": {"kind": self.verdict.kind, "line": self.verdict.line},
+            "alternatives": [a.to_json() for a in self.alternatives],
+            "throughput": self.throughput.to_json(), "notes": self.notes,
+        }
+
+
+def describe_layout(cfg: Config, gpus: int) -> tuple[str, int]:
+    """The layout in words, and the accumulation steps per step of a rank."""
+    from maester.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg, gpus)
+    batch = dims.batch_plan(cfg, dp_rank=0)
+    shards = "FSDP" if dims.fsdp_enabled else ("DDP" if dims.ddp_enabled else "replicated")
+    parts = [f"dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} ({shards})", f"tp {dims.tp}",
+             f"cp {dims.cp}", f"pp {dims.pp}" + (f" ({cfg.parallel.pp_schedule})" if dims.pp > 1 else "")]
+    if dims.ep > 1:
+        parts.append(f"ep {dims.ep} within dp_shard")
+    text = (" x ".join(parts) + f"; per data-parallel rank {batch.accumulation_steps} micro-batch(es) of "
+            f"{batch.micro_batch} x {cfg.data.seq_len} tokens; activation checkpointing "
+            f"{cfg.parallel.activation_checkpointing}, precision {cfg.training.precision}")
+    return text, batch.accumulation_steps
+
+
+def predicted_peak_gib(cfg: Config, gpus: int, device_type: str = "cuda") -> float:
+    """The per-rank peak of `cfg`'s step on `gpus` devices, in GiB: what the GPU check compares with
+    `torch.cuda.max_memory_allocated` (on `device_type` "cpu", with torch's tracker around a real CPU step)."""
+    return predict_rank_memory(cfg, gpus, 0, device_type).peak / GiB
+
+
+def make_plan(cfg: Config, gpus: int, gpu: str, *, source: str = "", mfu: float | None = None,
+              gpu_memory: float | None = None, advise: bool = True, gpu_from: str = "--gpu") -> Plan:
+    """Plan `cfg` on `gpus` GPUs named `gpu` (`maester.train.metrics.gpu_named`; `gpu_from` names the setting it
+    came from); `gpu_memory` (GiB) overrides the table's; `advise`: when it does not fit comfortably, plan the
+    alternatives too."""
+    from maester.train.metrics import gpu_named
+
+    if gpus < 1:
+        raise ValueError(f"--gpus {gpus}: give a positive number of GPUs")
+    key, peak_flops, memory_gib = gpu_named(gpu, gpu_from)
+    if gpu_memory is not None:
+        if gpu_memory <= 0:
+            raise ValueError(f"--gpu-memory {gpu_memory} must be a positive number of GiB")
+        memory_gib = gpu_memory
+    layout, accumulation = describe_layout(plan_config(cfg, "cuda"), gpus)
+    vocab = vocab_size(cfg)
+    memory = predict_rank_memory(cfg, gpus, 0, "cuda", vocab)
+    result = verdict(memory.peak / GiB, memory_gib)
+    found = []
+    if advise and result.kind != "fits":
+        def peak_of(changed: Config) -> float:
+            return predict_rank_memory(changed, gpus, 0, "cuda", vocab).peak / GiB
+
+        found = alternatives(cfg, gpus, memory_gib, USABLE, peak_of)
+    throughput = predict_throughput(cfg, gpus, key, peak_flops, vocab, accumulation, mfu)
+    return Plan(source, gpus, key, memory_gib, peak_flops, layout, memory, result, throughput, found)
