@@ -1,7 +1,8 @@
 """`maester report JOB`: a one-page PNG dashboard of a job's metrics and a short text summary.
 
 Everything comes from the job directory: `config.json` (model, training.steps), `metrics.jsonl` (training and
-validation records; a running job's half-written last line is ignored), the `COMPLETED` and `requeue-requested`
+validation records, and the checkpoint saves' event lines; a running job's half-written last line is ignored), the
+`COMPLETED` and `requeue-requested`
 markers (the status), `checkpoints/latest` and `slurm_jobs.jsonl` (the restarts after failures). Nothing is
 written into the job directory except the PNG and the summary beside it, so a report can be drawn while the job
 trains.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from maester.config import Config
 from maester.jobs.slurm import describe_restarts, recorded_jobs
-from maester.train.metrics import read_metrics
+from maester.train.metrics import read_events, read_metrics
 from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE, read_marker
 
 RECENT = 5
@@ -228,6 +229,27 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
 
     checkpoint = Checkpointer(job_dir, cfg.checkpoint).latest()
     items.append(("checkpoint", str(checkpoint.relative_to(job_dir.resolve())) if checkpoint else "none yet"))
+    items += checkpoint_save_items(job_dir / "metrics.jsonl")
+    return items
+
+
+def checkpoint_save_items(metrics_file: Path) -> list[tuple[str, str]]:
+    """The saves' lines of the summary, from the `checkpoint` and `checkpoint_failed` events of metrics.jsonl:
+    how many, how long the loop was blocked per save and how long the writes took; the newest failure."""
+    saved = read_events(metrics_file, "checkpoint")
+    failed = read_events(metrics_file, "checkpoint_failed")
+    if not saved and not failed:
+        return []
+    background = sum(1 for r in saved if r.get("background"))
+    text = f"{len(saved)} written ({background} in the background)" + (f", {len(failed)} failed" if failed else "")
+    items = [("checkpoint saves", text)]
+    times = [f"{name} {statistics.median(values):.2f} s median ({max(values):.2f} s max)"
+             for name, values in (("loop blocked", _values(saved, "checkpoint_blocked_seconds")),
+                                  ("write", _values(saved, "checkpoint_write_seconds"))) if values]
+    if times:
+        items.append(("save times", "; ".join(times)))
+    if failed:
+        items.append(("save failure", f"step {failed[-1]['step']}: {failed[-1].get('error')}"))
     return items
 
 

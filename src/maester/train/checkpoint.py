@@ -28,11 +28,16 @@ import json
 import logging
 import os
 import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -46,7 +51,7 @@ from maester.train.checkpoint_files import (
     has_optimizer_state, is_complete, load_model_weights, read_rng_state, read_trainer_state, restore_rng_state,
     single_process_ok, step_dirs, verify_checkpoint,
 )
-from maester.train.faults import maybe_crash
+from maester.train.faults import maybe_crash, maybe_hang
 
 log = logging.getLogger("maester")
 
@@ -86,24 +91,133 @@ def resolve_checkpoint(path: str | Path) -> Path:
                             f"and in its checkpoints/)")
 
 
+@dataclass
+class SaveResult:
+    """How one save went, for the metrics. `background`: written by the save's thread while training went on.
+    `blocked_seconds`: the loop's time in `save` (the wait for the previous save,
+    the state dict, staging, and a synchronous save's write). `write_seconds`: from the first DCP file to `latest`
+    moved; `phases` splits it. `error`: why the save failed (None: the checkpoint is complete)."""
+
+    step: int
+    path: Path
+    background: bool
+    blocked_seconds: float = 0.0
+    write_seconds: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    def event(self) -> dict:
+        """Its metrics.jsonl line: `checkpoint` (complete) or `checkpoint_failed`, at the checkpoint's step."""
+        record = {"event": "checkpoint" if self.error is None else "checkpoint_failed", "step": self.step,
+                  "checkpoint": self.path.name, "background": self.background,
+                  "checkpoint_blocked_seconds": round(self.blocked_seconds, 4)}
+        if self.write_seconds is not None:
+            record["checkpoint_write_seconds"] = round(self.write_seconds, 4)
+        if self.error is not None:
+            record["error"] = self.error
+        return record
 
 
+class _Phases:
+    """Seconds per part of a write, into `SaveResult.phases`."""
+
+    def __init__(self, result: SaveResult):
+        self.result = result
+        self.start = self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.result.phases[name] = now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.start
 
 
+def resolve_async_mode(setting: str, device_type: str) -> str:
+    """`checkpoint.async_mode` for a run on `device_type`: `auto` is `async` on CUDA (the staging copy from the GPU
+    is several times faster than the disk) and `off` elsewhere; `pinned` needs CUDA and is refused elsewhere."""
+    if setting == "auto":
+        return "async" if device_type == "cuda" else "off"
+    if setting == "pinned" and device_type != "cuda":
+        raise ValueError(f"checkpoint.async_mode = 'pinned' stages checkpoints in page-locked host memory for fast "
+                         f"copies from a GPU, which needs CUDA; this run trains on {device_type}: use 'async' "
+                         f"(staging in ordinary host memory) or 'off'")
+    return setting
 
 
+def background_group(timeout_s: float):
+    """A gloo group of all ranks for the collectives of background writes, apart from the training's, so that the
+    loop and the writing thread never share a group (torchtitan's CheckpointManager and OLMo-core's checkpointer
+    make one too); None in one process. A collective call: every rank makes it."""
+    import torch.distributed as dist
 
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    from datetime import timedelta
 
-
-
-
-
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 class Checkpointer:
-    def __init__(self, job_dir: Path, cfg: CheckpointConfig, rank: int = 0):
+    """Saves, finds and loads the checkpoints of a job. `async_mode` (`checkpoint.async_mode` resolved by
+    `resolve_async_mode`) says how `save(background=True)` writes; `group`, the process group of the writes'
+    collectives (None: the default group; `background_group` makes one for background writes)."""
+
+    def __init__(self, job_dir: Path, cfg: CheckpointConfig, rank: int = 0, async_mode: str = "off", group=None):
         self.dir = Path(job_dir) / "checkpoints"
         self.cfg, self.rank = cfg, rank
+        self.async_mode, self.group = async_mode, group
+        self.finished: list[SaveResult] = []
+        """The saves that ended, complete or failed, since the caller last emptied the list."""
+        self._in_flight: tuple[SaveResult, Future] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._stager = None  # pinned: DCP's stager, which keeps its page-locked buffers from save to save
+
+    def poll(self) -> None:
+        """Collect the background save into `finished` if it has ended; never waits."""
+        if self._in_flight is not None and self._in_flight[1].done():
+            self._collect()
+
+    def wait(self) -> None:
+        """Wait for the background save, if one is in flight, and collect it into `finished`."""
+        if self._in_flight is not None:
+            if not self._in_flight[1].done():
+                log.info("waiting for the background write of %s", self._in_flight[0].path.name)
+            self._collect()
+
+    def close(self) -> None:
+        """Wait for the background save, then release the thread and the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _collect(self) -> None:
+        result, future = self._in_flight
+        try:
+            future.result()
+        finally:
+            self._in_flight = None
+        self.finished.append(result)
+
+    def _write_in_background(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
+        """`_write` in the save's thread; its outcome is logged at once (the loop may be busy for a while) and kept
+        in `result`, a failure as its `error`, not raised: training goes on and the next save tries again."""
+        try:
+            self._write(step, state, files, result)
+        except (Exception, CheckpointException) as e:
+            result.error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {_reason(e)}"
+            log.error("CHECKPOINT NOT WRITTEN: the background save of %s failed: %s. Training goes on; the next save "
+                      "tries again", result.path.name, result.error)
+            return
+        log.info("checkpoint %s written in the background in %.1f s (the loop waited %.2f s)", result.path,
+                 result.write_seconds, result.blocked_seconds)
 
     def latest(self) -> Path | None:
         """The newest complete `step-<N>` (not verified: for reports; a resume uses `resume_point`)."""
@@ -183,67 +297,122 @@ class Checkpointer:
             raise ValueError(f"checkpoint directory {self.dir} cannot be written: {e.strerror or e}") from None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict,
-             config_json: str) -> Path:
+             config_json: str, background: bool = False) -> Path:
         """Write checkpoint `step` (a collective call: every rank writes its shards, then checksums its share of
         the files for the manifest), then move `latest` to it. An existing `step-<N>` is never overwritten.
 
-        Without an optimizer only the model is written (a seed checkpoint).
+        Without an optimizer only the model is written (a seed checkpoint). A save first waits for the one in
+        flight. `background` (with `async_mode` async or pinned): return once the state is staged in host memory,
+        and write it in a thread; `poll` and `wait` collect its outcome into `finished`, and a failure there is
+        recorded, not raised. Otherwise the write happens here and a failure is raised.
         """
+        started = time.perf_counter()
+        self.wait()
+        background = background and self.async_mode != "off"
         final = self.dir / f"step-{step}"
-        tmp = self.dir / f"step-{step}.tmp"
         if self.rank == 0:
             self._remove_unfinished()
             self.dir.mkdir(parents=True, exist_ok=True)
-        _barrier()
+        _barrier(self.group)
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+        files = self._small_files(step, trainer_state, config_json)
+        result = SaveResult(step, final, background)
+        if not background:
+            self._write(step, state, files, result)
+            result.blocked_seconds = time.perf_counter() - started
+            self.finished.append(result)
+            return final
+        staged = self._stage(state)
+        del state
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maester-checkpoint")
+        result.blocked_seconds = time.perf_counter() - started
+        self._in_flight = (result, self._executor.submit(self._write_in_background, step, staged, files, result))
+        return final
 
+    def _small_files(self, step: int, trainer_state: dict, config_json: str) -> dict[str, bytes | str]:
+        """The files beside DCP's, by name, taken when the save starts: this rank's RNG state, and on rank 0 the
+        config and the trainer state."""
+        rng = io.BytesIO()  # written with open(): a full disk is an OSError, not torch's zip writer's error
+        torch.save(capture_rng_state(), rng)
+        files: dict[str, bytes | str] = {f"rng/rank{self.rank}.pt": rng.getvalue()}
+        if self.rank == 0:
+            files["config.json"] = config_json
+            files[TRAINER_STATE] = json.dumps({"step": step, **trainer_state}, indent=2)
+        return files
+
+    def _stage(self, state: dict) -> dict:
+        """A copy of `state` in host memory that training can no longer change (DCP's DefaultStager): new buffers
+        for each save with `async`; with `pinned`, page-locked buffers made at the first save and refilled at each
+        later one (non-blocking copies from the GPU, then one synchronize)."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self.async_mode == "pinned":
+            if self._stager is None:
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=True))
+            return self._stager.stage(state)
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))
         try:
-            with single_process_ok():
-                dcp.save(state, checkpoint_id=tmp)  # a rank's failure is raised on every rank
+            return stager.stage(state)
+        finally:
+            stager.close()
+
+    def _write(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
+        """Write `state` and `files` as `step-<N>.tmp`, rename it `step-<N>` and move `latest` (every rank; in the
+        save's thread for a background save). Its times go into `result`; a failure raises ValueError."""
+        final = self.dir / f"step-{step}"
+        tmp = self.dir / f"step-{step}.tmp"
+        clock = _Phases(result)
+        try:
+            with single_process_ok(), _without_zip_crc32():
+                # a rank's failure is raised on every rank
+                dcp.save(state, checkpoint_id=tmp, process_group=self.group)
         except (OSError, RuntimeError, CheckpointException) as e:
             raise self._not_written(final, tmp, e) from e
+        clock.lap("dcp")
         maybe_crash("during_save", step)
+        maybe_hang(step, "slow_write")
         local_error = None
         try:
             (tmp / "rng").mkdir(exist_ok=True)
-            rng = io.BytesIO()  # written with open(): a full disk is an OSError, not torch's zip writer's error
-            torch.save(capture_rng_state(), rng)
-            write_durably(tmp / "rng" / f"rank{self.rank}.pt", rng.getvalue())
-            if self.rank == 0:
-                write_durably(tmp / "config.json", config_json)
-                write_durably(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}, indent=2))
+            for name, data in files.items():
+                write_durably(tmp / name, data)
         except OSError as e:
             local_error = e
-        _barrier()  # every rank's files are on disk before they are listed
-        files, exists, error = self._describe_shares(tmp, final, local_error)
+        _barrier(self.group)  # every rank's files are on disk before they are listed
+        clock.lap("small_files")
+        listing, exists, error = self._describe_shares(tmp, final, local_error)
         if error is not None:
             raise self._not_written(final, tmp, error)
         if exists:
             raise ValueError(f"{final} already exists: a run never overwrites a checkpoint (is another run using "
                              f"{self.dir.parent}?)")
+        clock.lap("checksums")
         if self.rank == 0:
             try:
                 maybe_crash("before_manifest", step)
-                write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": dict(sorted(files.items()))},
+                write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": dict(sorted(listing.items()))},
                                                           indent=1))
                 os.replace(tmp, final)
                 fsync_dir(self.dir)
             except OSError as e:
                 error = e
-        error = _from_rank_zero(error)  # in place of a barrier: every rank learns whether the rename happened
+        error = _from_rank_zero(error, self.group)  # a barrier too: every rank learns whether the rename happened
         if error is not None:
             raise self._not_written(final, tmp, error)
         if self.rank == 0:
             maybe_crash("before_latest", step)
             self._point_latest_to(final)
             self._apply_retention(step)
-        _barrier()
-        return final
+        _barrier(self.group)
+        clock.lap("rename_and_retention")
+        result.write_seconds = clock.total()
 
     def _not_written(self, final: Path, tmp: Path, error) -> ValueError:
         """The error of a save that failed (a full disk, a quota): the previous checkpoint is untouched. Rank 0
@@ -273,7 +442,7 @@ class Checkpointer:
         mine = ({} if reason else describe_files(tmp, names[self.rank::world]), self.rank == 0 and final.exists(),
                 reason)
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.group)
         files = {name: entry for part, _, _ in gathered for name, entry in part.items()}
         return files, gathered[0][1], next((r for _, _, r in gathered if r), None)
 
@@ -351,6 +520,22 @@ class Checkpointer:
 
 
 
+@contextmanager
+def _without_zip_crc32():
+    """DCP writes each tensor with torch.save, whose zip records each carry a CRC-32 computed on one core as the
+    file is written: on a busy CPU at about half a disk's speed (benchmarks/checkpoint_io.py). The manifest holds a
+    CRC-32 of every whole file already, and torch.load does not check the records' (torch's own note on
+    `set_crc32_options`). Process-wide while it lasts: other torch.save calls meanwhile also skip it."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    before = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        yield
+    finally:
+        set_crc32_options(before)
+
+
 def _reason(error: BaseException) -> str:
     """What went wrong, from an OSError or DCP's CheckpointException (which holds each failing rank's error)."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -378,21 +563,21 @@ def _failed_write(directory: Path) -> str | None:
         probe.unlink(missing_ok=True)
 
 
-def _from_rank_zero(error: BaseException | None) -> str | None:
-    """Rank 0's error (or None) on every rank; a barrier too."""
+def _from_rank_zero(error: BaseException | None, group=None) -> str | None:
+    """Rank 0's error (or None) on every rank of `group` (None: all); a barrier too."""
     import torch.distributed as dist
 
     reason = None if error is None else _reason(error)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return reason
     box = [reason]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=group)
 
 
 

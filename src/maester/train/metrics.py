@@ -159,10 +159,15 @@ class MetricsWriter:
         else:
             log.info(line)
 
-    def write_event(self, record: dict) -> None:
+    def write_event(self, record: dict, sink_step: int | None = None) -> None:
         """An event line ({"event": ..., "step": ...}), e.g. a damaged checkpoint moved aside at resume; readers of
-        the steps skip it."""
-        self._file.write(json.dumps(record) + "\n")
+        the steps skip it (`read_events` reads them). `sink_step`: the sinks also get the record's numbers, at that
+        step (a checkpoint's are known steps after its own, and W&B takes no step twice)."""
+        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
+        if sink_step is not None:
+            values = scalars(record)
+            for sink in self.sinks:
+                sink.log(sink_step, values)
 
     def _to_sinks(self, record: dict) -> None:
         values = scalars(record)
@@ -259,6 +264,25 @@ def read_metrics(path: Path) -> list[dict]:
         step = record["step"]
         by_step[step] = record if "loss" in record else {**by_step.get(step, {}), **record}
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_events(path: Path, kind: str) -> list[dict]:
+    """The event lines named `kind` (`{"event": kind, "step": ...}`) of a metrics.jsonl, in file order; a running
+    job's half-written last line is left out."""
+    events = []
+    lines = path.read_text().split("\n")
+    for lineno, line in enumerate(lines, 1):
+        if f'"{kind}"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):
+                break
+            raise ValueError(f"{path}:{lineno}: not valid JSON") from None
+        if isinstance(record, dict) and record.get("event") == kind:
+            events.append(record)
+    return events
 
 
 BATCH_STATISTICS = ("labels", "real", "tokens", "documents", "document_tokens", "document_tokens_max")

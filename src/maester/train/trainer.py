@@ -26,7 +26,13 @@ from maester.parallel.dims import ParallelDims, init_distributed, set_collective
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
-from maester.train.checkpoint import Checkpointer, resolve_checkpoint
+from maester.train.checkpoint import (
+    Checkpointer,
+    SaveResult,
+    background_group,
+    resolve_async_mode,
+    resolve_checkpoint,
+)
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
@@ -79,7 +85,8 @@ class _Run:
     flops_per_token: int
     peak_flops: float | None
     evaluated: bool = False
-    last_checkpoint: Path | None = None
+    last_checkpoint: Path | None = None  # the newest complete one this run wrote
+    failed_save: SaveResult | None = None  # the newest save, where it failed
     loss_value: float | None = None
     stop_reason: str | None = None
 
@@ -109,7 +116,10 @@ class Trainer:
         self.precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, self.device.type,
                                            self.dims.fsdp_enabled)
         self.scaler = None  # fp16: made with the parameters, on their device
-        self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
+        async_mode = resolve_async_mode(cfg.checkpoint.async_mode, self.device.type)
+        self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank, async_mode,
+                                         background_group(cfg.training.init_timeout_seconds)
+                                         if async_mode != "off" else None)
         self._latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
         # A resume overwrites every weight and restores the RNG: the random init would be work thrown away.
         self._resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
@@ -232,12 +242,17 @@ class Trainer:
                 if self.step % self.cfg.logging.interval == 0 or self.step in (1, run.total):
                     run.loss_value = self._log(run, loss, grad_norm, lr_mult)
                 self._evaluate_if_due(run)
-                if self._checkpoint_due():
-                    run.last_checkpoint = self._save_checkpoint()
+                if self._checkpoint_due():  # the last step's save is written before the run ends
+                    self._save_checkpoint(run, background=self.step < run.total)
+                self._record_saves(run)
                 maybe_crash("after_step", self.step)
                 if self._stopped_on_request(run):
                     break
             run.stops.drain()
+            self._record_saves(run, wait=True)
+            if run.failed_save is not None:
+                raise ValueError(f"training ended at step {self.step}, but its last checkpoint could not be written: "
+                                 f"{run.failed_save.error}")
         if run.stop_reason is None and self.rank == 0:
             mark_completed(self.job_dir, self.step, run.last_checkpoint or self.checkpointer.latest())
         return TrainResult(self.step, run.loss_value, run.last_checkpoint or self.checkpointer.latest(),
@@ -275,9 +290,12 @@ class Trainer:
         try:
             yield run
         except NonFiniteError as e:
+            self.checkpointer.wait()
             latest = self.checkpointer.latest()
             raise NonFiniteError(f"{e}; latest checkpoint: {latest or 'none'}", e.step) from None
         finally:
+            self.checkpointer.close()  # a save in flight is finished (or fails) before the process goes on
+            self._record_saves(run)
             if gc_interval:
                 gc.enable()
             run.stops.restore()
@@ -380,22 +398,46 @@ class Trainer:
         run.stop_reason = run.stops.agree() if self.step < run.total else None
         if run.stop_reason is None:
             return False
+        self._record_saves(run, wait=True)  # this step's own save may be in flight: it counts once it is complete
         if run.last_checkpoint is None or run.last_checkpoint.name != f"step-{self.step}":
-            run.last_checkpoint = self._save_checkpoint()
+            self._save_checkpoint(run, background=False)
         run.stops.acknowledge(self.step, run.stop_reason, run.last_checkpoint)
         log.info("stopped on request (%s) after step %d of %d with checkpoint %s; wrote %s", run.stop_reason,
                  self.step, run.total, run.last_checkpoint, self.job_dir / REQUEUE_FILE)
         return True
 
-    def _save_checkpoint(self) -> Path:
+    def _save_checkpoint(self, run: _Run, background: bool) -> None:
+        """Save this step: written before returning, or (`background`, with checkpoint.async_mode async or pinned)
+        staged and written by a thread while training goes on."""
         self.nonfinite.check()  # a run that went non-finite under `stop` raises here, before the damage is saved
         path = self.checkpointer.save(
             self.step, self.model, self.optimizer,
             {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
              "schedule_start": self.schedule_start, **self.provenance,
-             **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, self.cfg.to_json())
-        log.info("saved checkpoint %s", path)
-        return path
+             **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, self.cfg.to_json(),
+            background=background)
+        if background and self.checkpointer.async_mode != "off":
+            log.info("staged checkpoint %s; writing it in the background", path)
+        else:
+            log.info("saved checkpoint %s", path)
+        self._record_saves(run)
+
+    def _record_saves(self, run: _Run, wait: bool = False) -> None:
+        """The saves that ended since the last call (`wait`: after the one in flight has ended): the newest complete
+        one becomes `run.last_checkpoint`, a failed one `run.failed_save` until a later one succeeds; rank 0 writes
+        an event line for each into metrics.jsonl (`checkpoint_blocked_seconds`, `checkpoint_write_seconds`)."""
+        if wait:
+            self.checkpointer.wait()
+        else:
+            self.checkpointer.poll()
+        for result in self.checkpointer.finished:
+            if result.error is None:
+                run.last_checkpoint, run.failed_save = result.path, None
+            else:
+                run.failed_save = result
+            if run.writer is not None:
+                run.writer.write_event(result.event(), sink_step=self.step)
+        self.checkpointer.finished.clear()
 
     def _forward_backward(self, micro_batches, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step
