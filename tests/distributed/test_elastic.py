@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from maester.cli import main
 from maester.config import load_config
 from maester.train.metrics import read_metrics
 from maester.train.trainer import Trainer, write_seed_checkpoint
@@ -57,3 +58,27 @@ def test_elastic_resume_continues_the_loss_curve(uninterrupted):
     assert sorted(got) == list(range(1, 9))
     for step in range(1, 9):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
+
+
+def test_async_saves_of_two_fsdp_ranks_resume_on_one_as_sync_saves_do(tmp_path):
+    """Two ranks (FSDP) save step 2 in the background and train on to step 3 (no final save); one process resumes
+    from step 2 to step 5. The same with synchronous saves: the same data files and the same losses, bit for bit."""
+    corpus = write_corpus(tmp_path / "corpus.parquet")
+    runs = {}
+    for mode in ("off", "async"):
+        args = tiny_overrides(corpus, tmp_path / "jobs", mode, training__steps=3, checkpoint__interval=2,
+                              checkpoint__save_final="false", checkpoint__async_mode=mode)
+        out = torchrun(2, ["train", str(DEMO_CONFIG), *args], tmp_path)
+        assert out.returncode == 0, out.stderr[-4000:]
+        job = tmp_path / "jobs" / mode
+        assert (job / "checkpoints" / "latest").resolve().name == "step-2"
+        events = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
+        assert [(e["event"], e["step"], e["background"]) for e in events] == [("checkpoint", 2, mode == "async")]
+        main(["train", str(job), "--training.steps=5"])  # one process, here
+        assert (job / "checkpoints" / "latest").resolve().name == "step-4"
+        runs[mode] = job
+    off, bg = (runs[m] / "checkpoints" / "step-2" for m in ("off", "async"))
+    assert sorted(p.name for p in bg.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert all((bg / n).read_bytes() == (off / n).read_bytes() for n in ("__0_0.distcp", "__1_0.distcp"))
+    losses = {m: {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")} for m, job in runs.items()}
+    assert sorted(losses["async"]) == list(range(1, 6)) and losses["async"] == losses["off"]
