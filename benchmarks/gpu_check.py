@@ -369,9 +369,13 @@ def judge_pytest(junit: Path, run: subprocess.CompletedProcess, dry_run: bool) -
 
 
 def last_error(output: str) -> str:
-    lines = [line for line in output.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"Error|error:|refused|FAILED", line)]
-    return (errors or lines or ["(no output)"])[-1][-400:]
+    """The line that says what went wrong: maester's own error line, else the last exception raised (not
+    torchrun's summary of its failed child), else the last line of the output."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    ours = [line for line in lines if re.match(r"maester [\w -]+: error: ", line)]
+    raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception): \S", line)
+              and "ChildFailedError" not in line]
+    return (ours[:1] or raised[-1:] or lines[-1:] or ["(no output)"])[0][-400:]
 
 
 def environment() -> dict:

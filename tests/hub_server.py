@@ -1,7 +1,8 @@
 """A small Hugging Face Hub on 127.0.0.1 for tests (`HF_ENDPOINT=server.url`): the endpoints `snapshot_download`,
 `hf_hub_download`, `HfFileSystem`, `create_repo`, `create_branch` and `upload_folder` call, over repositories held
 in memory as {revision: {path: bytes}}. Every request is recorded in `requests` as (method, path), and every GET of
-a file's content in `reads` as (path, its Range header or None); a Range is answered with 206 and those bytes."""
+a file's content in `reads` as (path, its Range header or None); a Range is answered with 206 and those bytes.
+`delays` makes the GETs of some files slow."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import http.server
 import json
 import re
 import threading
+import time
 from urllib.parse import parse_qs, unquote, urlparse
 
 
@@ -48,6 +50,7 @@ class MockHub:
         self.repos: dict[tuple[str, str], Repo] = {}  # (kind "models"/"datasets", repo id) -> Repo
         self.requests: list[tuple[str, str]] = []
         self.reads: list[tuple[str, str | None]] = []
+        self.delays: dict[str, float] = {}  # file-name suffix -> seconds a GET of such a file takes (a slow download)
         hub = self
         handler = type("Handler", (_Handler,), {"hub": hub})
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -160,6 +163,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         data = files[name]
         if not head:
             self.hub.reads.append((name, self.headers.get("Range")))
+            time.sleep(max((t for suffix, t in self.hub.delays.items() if name.endswith(suffix)), default=0.0))
         headers = {"X-Repo-Commit": repo.commit_of(unquote(revision)), "ETag": f'"{_sha(data)}"',
                    "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))

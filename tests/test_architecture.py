@@ -19,7 +19,7 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # Bottom to top: a module may import its own layer and the ones below it.
 LAYERS = [
     # the ground floor: files, progress bars, the config sections' base class and error messages, exit codes, Hub ids
-    ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes", "maester.hub"),
+    ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes", "maester.hub", "maester.cpus"),
     ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
     ("maester.config", "maester.config_data", "maester.config_job", "maester.config_sources"),  # the tree, its sources
     ("maester.data", "maester.parallel"),  # loaders; device meshes, sharding, precision, preflight

@@ -162,6 +162,15 @@ def test_a_training_stage_whose_config_is_refused_fails_and_names_the_key(tmp_pa
     assert results["good"]["status"] == "pass", results["good"]  # the next stage still sets up
 
 
+def test_a_multi_gpu_stage_fails_with_the_error_of_its_ranks(tmp_path):
+    gpu_check = benchmark("gpu_check")
+    stage = gpu_check.Stage("refused-layout", "", "torchrun", ["1", "configs/demo.toml", "--training.device=cpu",
+                                                               "--parallel.tp=2"])
+    result = gpu_check.run_stage(stage, tmp_path, gpu_check.child_env(None), timeout=600)
+    assert result["status"] == "fail" and result["reason"].startswith("exit code 1"), result
+    assert "parallel layout" in result["reason"] and "does not divide the 1 process(es)" in result["reason"]
+
+
 CUDA_TEST = '''
 import pytest
 from maester.config import load_config

@@ -21,6 +21,7 @@ from maester.models.config import ModelConfig
 
 class TrainingConfig(Section):
     steps: int = Field(1000, gt=0)
+    """The number of the last step (absolute: a run resumed or started at `checkpoint.step_offset` ends there too)."""
     seed: int = 0
     batch_unit: Literal["sequences", "tokens"] = "sequences"
     global_batch_size: int = Field(32, gt=0)
@@ -41,8 +42,9 @@ class TrainingConfig(Section):
     """`torch.set_float32_matmul_precision`: `high` lets float32 matmuls use TF32 on Ampere and later GPUs (faster,
     about 10 mantissa bits); `highest` (torch's default) keeps full float32."""
     cpu_threads: int | None = Field(None, gt=0)
-    """Intra-op threads of each process of a CPU run (`torch.set_num_threads`). None: torch's default (the physical
-    cores) for one process; for N processes of a torchrun on one machine, the machine's cores / N each (torchrun
+    """Intra-op threads of each process of a CPU run (`torch.set_num_threads`). None: the CPUs the process may use
+    (its affinity mask, at most its cgroup CPU quota, which torch does not see), at most torch's default (the
+    physical cores) for one process; for N processes of a torchrun on one machine, those CPUs / N each (torchrun
     would give each one thread). GPU runs leave torch's setting."""
     deterministic: bool = False
     """Use deterministic kernels (`torch.use_deterministic_algorithms`); CPU runs are bitwise repeatable anyway."""
@@ -89,6 +91,8 @@ class MuonConfig(Section):
     """Muon: momentum, then Newton-Schulz orthogonalisation of each hidden matrix's update."""
 
     lr: float = Field(0.02, gt=0, allow_inf_nan=False)
+    """The base LR of the Muon matrices (`optimizer.lr` is that of the AdamW part); both are printed at start and
+    in the console lines."""
     momentum: float = Field(0.95, ge=0, lt=1)
     nesterov: bool = True
     ns_steps: int = Field(5, ge=1)
@@ -99,7 +103,7 @@ class MuonConfig(Section):
     """Shape-aware LR: `spectral` x sqrt(max(1, rows / cols)) (Keller Jordan's Muon); `match_adamw`
     x 0.2 sqrt(max(rows, cols)) (Moonlight: an update RMS like AdamW's, so AdamW LRs carry over); `none`."""
     weight_decay: float | None = Field(None, ge=0)
-    """Decoupled, after orthogonalisation; None: `optimizer.weight_decay`."""
+    """Decoupled, after orthogonalisation; None: `optimizer.weight_decay` (0.1 by default)."""
     momentum_warmup_steps: int = Field(0, ge=0)
     """Raise the momentum linearly from `momentum_warmup_start` to `momentum` over this many steps; 0: off."""
     momentum_warmup_start: float = Field(0.85, ge=0, lt=1)
@@ -112,6 +116,9 @@ class MuonConfig(Section):
 
 
 OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "muon")
+DECOUPLED_DECAY = ("adamw", "muon")
+"""The optimizers whose weight decay is decoupled from the gradient (AdamW's; Muon's matrices and its AdamW part)."""
+DEFAULT_DECOUPLED_WEIGHT_DECAY = 0.1
 
 
 class OptimizerConfig(Section):
@@ -124,8 +131,11 @@ class OptimizerConfig(Section):
     """Adam-family only (adamw, adam, Muon's AdamW part)."""
     eps: float = Field(1e-8, gt=0)
     """Adam-family only."""
-    weight_decay: float = Field(0.1, ge=0)
-    """Default decay of the groups; the built-in rules keep it off embeddings, norms and biases."""
+    weight_decay: float | None = Field(None, ge=0)
+    """Default decay of the groups; the built-in rules keep it off embeddings, norms and biases. None: 0.1 where the
+    decay is decoupled from the gradient (`adamw`, `muon`: AdamW-style), 0 for the others (`adam`, `sgd` and
+    torch.optim classes, whose `weight_decay` is L2 regularisation added to the gradient); a value set with them
+    is applied as L2 and said so in the log."""
     momentum: float = Field(0.0, ge=0, lt=1)
     """`sgd` only."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -137,6 +147,18 @@ class OptimizerConfig(Section):
     """Parameter-group rules, tried in order before the built-in ones; the resolved groups are logged at start."""
     muon: MuonConfig = Field(default_factory=MuonConfig)
     """`name = "muon"` only."""
+
+    @property
+    def decoupled_decay(self) -> bool:
+        """Whether the optimizer's weight decay is decoupled (AdamW-style), not L2 added to the gradient."""
+        return self.name in DECOUPLED_DECAY
+
+    @property
+    def resolved_weight_decay(self) -> float:
+        """`weight_decay`, or its default for the optimizer: 0.1 when decoupled, else 0."""
+        if self.weight_decay is not None:
+            return self.weight_decay
+        return DEFAULT_DECOUPLED_WEIGHT_DECAY if self.decoupled_decay else 0.0
 
     @model_validator(mode="after")
     def _check_name(self) -> "OptimizerConfig":
@@ -163,6 +185,11 @@ class ScheduleConfig(Section):
     warmup-stable-decay (`wsd`) with a final decay of `decay_fraction` of the steps, or `step`: times
     `step_gamma` at each of `step_milestones`."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from the schedule's start. Longer than the steps the run schedules (a config shortened
+    with `--training.steps`), it is clamped to them with a warning."""
+    warmup_fraction: float | None = Field(None, ge=0, le=1)
+    """Instead of `warmup_steps`: this share of the steps the run schedules (rounded), so a shortened run warms up
+    for the same share of it."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     decay_fraction: float = Field(0.2, gt=0, le=1)
     """`wsd` only: the share of all steps spent decaying (1.0: the whole run decays, as a cooldown run does)."""
@@ -175,6 +202,9 @@ class ScheduleConfig(Section):
 
     @model_validator(mode="after")
     def _check_step(self) -> "ScheduleConfig":
+        if self.warmup_fraction is not None and self.warmup_steps:
+            raise ValueError(f"schedule.warmup_steps = {self.warmup_steps} and schedule.warmup_fraction = "
+                             f"{self.warmup_fraction}: set one of them")
         if self.name == "step":
             if not self.step_milestones:
                 raise ValueError("schedule.name = 'step' needs schedule.step_milestones (e.g. [6000, 8000])")
@@ -212,8 +242,10 @@ class ParallelConfig(Section):
     n_layers); None: an even split, the earlier stages taking one more where it does not divide."""
     ep: int = Field(1, ge=1)
     """Expert parallel degree (MoE models): divides dp_shard; the experts are split over ep ranks."""
-    fsdp_reshard_after_forward: bool = True
-    """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward)."""
+    fsdp_reshard_after_forward: bool | None = None
+    """True: full shard (ZeRO-3); False: shard-grad-op (ZeRO-2, parameters stay gathered until backward). None:
+    True, except under pipeline parallel (pp > 1), where resharding would gather every block again in each
+    micro-batch's forward and backward (torchtitan's default)."""
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """FSDP compute dtype of parameters; `auto`: the one `training.precision` computes in (another value must
     agree with it)."""
@@ -276,7 +308,8 @@ class CheckpointConfig(Section):
     schedule (a WSD run's), and this run's schedule (no warmup) decays from that step to `training.steps`."""
     step_offset: int = Field(0, ge=0)
     """The step a run starts at when it does not take the step from `init_from`; its schedule (warmup
-    included) still starts at that step."""
+    included) still starts at that step. `training.steps` stays the number of the last step: an offset of 220 with
+    `training.steps = 250` trains 30 steps."""
     save_final: bool = True
     verify: Literal["size", "full"] = "size"
     """What a resumed run checks of a checkpoint against its manifest.json before loading it: `size`, every file's
@@ -450,12 +483,17 @@ class Config(Section):
         if t.global_batch_size % t.micro_batch_size:
             raise ValueError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
                              f"training.micro_batch_size ({t.micro_batch_size})")
-        if self.checkpoint.load_mode == "cooldown" and self.schedule.warmup_steps:
-            raise ValueError(f"schedule.warmup_steps = {self.schedule.warmup_steps} with checkpoint.load_mode = "
-                             f"'cooldown': a cooldown continues at the stable LR, set schedule.warmup_steps = 0")
-        if self.schedule.warmup_steps > t.steps:
-            raise ValueError(f"schedule.warmup_steps ({self.schedule.warmup_steps}) exceeds "
-                             f"training.steps ({t.steps})")
+        if self.checkpoint.load_mode == "cooldown" and (self.schedule.warmup_steps or self.schedule.warmup_fraction):
+            key, value = (("warmup_fraction", self.schedule.warmup_fraction) if self.schedule.warmup_fraction
+                          else ("warmup_steps", self.schedule.warmup_steps))
+            raise ValueError(f"schedule.{key} = {value} with checkpoint.load_mode = 'cooldown': a cooldown continues "
+                             f"at the stable LR, set schedule.warmup_steps = 0")
+        offset = self.checkpoint.step_offset
+        if offset >= t.steps:
+            raise ValueError(f"checkpoint.step_offset = {offset} leaves nothing to train with training.steps = "
+                             f"{t.steps}: training.steps is the number of the last step, not a count after the offset "
+                             f"(GPT-NeoX's train_iters with iteration_offset); to train {t.steps} steps after step "
+                             f"{offset}, set training.steps = {offset + t.steps}")
         held_out = any(s.validation_fraction for s in self.data.sources) or self.data.validation
         if self.logging.eval_interval and not held_out:
             raise ValueError("logging.eval_interval is set, but no data source holds out a validation split "

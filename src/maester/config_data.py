@@ -26,7 +26,9 @@ class TokenizerConfig(Section):
     """Special-token strings; for `hf` they default to those in `tokenizer_config.json` beside the file, for
     `sentencepiece` to the model's own BOS/EOS/pad pieces; `tiktoken` has no defaults (EOS is required)."""
     pattern: str | None = None
-    """`tiktoken` only: the pre-tokenization regex; None: the cl100k_base pattern (also Llama 3's)."""
+    """`tiktoken` only: the pre-tokenization regex, or the name of a known one (`gpt2`, `r50k_base`, `p50k_base`,
+    `cl100k_base`, `llama3`); None: the cl100k_base pattern (also Llama 3's), with a warning for a rank file that
+    is neither cl100k_base's nor Llama 3's size."""
     special_tokens: dict[str, int] = Field(default_factory=dict)
     """`tiktoken` only: special tokens after the ranks, token string -> id, e.g. `{"<|end_of_text|>" = 128001}`."""
     control_tokens: dict[str, str] = Field(default_factory=dict)

@@ -204,7 +204,9 @@ def per_token_losses(model, batch) -> torch.Tensor:
 
 def test_packed_rows_give_each_conversation_its_own_losses(tmp_path):
     """Masking, positions and label alignment together: a packed row's per-token losses equal those of each of its
-    conversations run alone, and without the document mask they would not."""
+    conversations run alone, and without the document mask they would not: `leaky` is the row as upstream GPT-NeoX
+    trains packed SFT samples (a plain causal mask, positions counting over the row), the caveat of
+    docs/data-tools.md."""
     from tests.models.test_llama import tiny_model
 
     write_conversations(tmp_path / "chats.jsonl", 40)

@@ -117,6 +117,21 @@ def test_gpt_neox_batches_train_what_the_loader_trains(tmp_path):
         assert shifted[:-1].tolist() == label[1:].tolist() and shifted[-1] == -100
 
 
+def test_count_output_has_the_trained_tokens_of_each_conversation(tmp_path):
+    """`maester data count PREFIX --output F` beside a label dataset: `tokens trained` per line (count_tokens.py's
+    one number per line, plus what each conversation trains), the second column summing to `trained=`."""
+    from maester.tools.data_tokenize import count
+
+    write_marker_jsonl(tmp_path / "seed.jsonl", 12)
+    prefix = tokenized(tmp_path / "seed.jsonl", tmp_path / "seed")
+    _, texts = read_neox(prefix)
+    _, labels = read_neox(str(tmp_path / "seed_label_document"))
+    summary = count([str(tmp_path / "seed")], None, output=str(tmp_path / "counts.txt"))
+    lines = [tuple(map(int, line.split())) for line in (tmp_path / "counts.txt").read_text().splitlines()]
+    assert lines == [(len(t), int((label[1:] != -100).sum())) for t, label in zip(texts, labels)]
+    assert summary.extra["trained"] == sum(trained for _, trained in lines) > 0
+
+
 # ------------------------------------------------------------------ the loader
 
 

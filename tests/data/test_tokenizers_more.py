@@ -192,6 +192,30 @@ def test_tiktoken_custom_pattern(files):
     assert make("tiktoken", files).encode(" the") == [256 + MERGES.index(b" the")]
 
 
+def test_tiktoken_named_pattern_and_the_warning_without_one(tmp_path, caplog):
+    """A GPT-2 rank file split with cl100k's default regex tokenizes differently (digits in threes): without
+    `tokenizer.pattern` the load warns; `pattern = "gpt2"` is tiktoken's own GPT-2 regex."""
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    from maester.data.tokenizers import NAMED_PATTERNS
+
+    assert NAMED_PATTERNS["gpt2"] == r50k_pat_str
+    tokens = [bytes([b]) for b in range(256)] + [b"12", b"34", b"1234", b"12345"]
+    ranks = tmp_path / "gpt2-like.tiktoken"
+    ranks.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    specials = {"<|endoftext|>": len(tokens)}
+    with caplog.at_level(logging.WARNING, logger="maester"):
+        default = TiktokenTokenizer(ranks, special_tokens=specials, eos_token="<|endoftext|>")
+    assert f"tiktoken rank file {ranks} (260 ranks): tokenizer.pattern is unset" in caplog.text
+    assert "a name (gpt2, r50k_base, p50k_base, cl100k_base, llama3)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="maester"):
+        gpt2 = TiktokenTokenizer(ranks, pattern="gpt2", special_tokens=specials, eos_token="<|endoftext|>")
+    assert caplog.text == ""
+    assert default.encode("12345") == [256, ord("3"), ord("4"), ord("5")]  # "123" and "45"
+    assert gpt2.encode("12345") == [259]
+
+
 # ---------------------------------------------------------------- control tokens (acceptance)
 
 

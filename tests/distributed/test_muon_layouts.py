@@ -111,13 +111,22 @@ def _check_against_reference(layout: str, world: int) -> None:
         opt = _optimizer(model, shapes, kwargs, coefficients)
         ref_states = {name: {} for name in shapes}
         ref_adamw = torch.optim.AdamW([reference.norm], lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        gathers = []  # object all-gathers (each a gloo round trip): the layouts of every matrix, found once
+        all_gather_object = torch.distributed.all_gather_object
+
+        def counting_gathers(*args, **kwargs):
+            gathers.append(step)
+            return all_gather_object(*args, **kwargs)
+
         for step in range(3):
             _set_grads(model, step)
             muon.newton_schulz, calls["n"] = counting, 0
+            torch.distributed.all_gather_object = counting_gathers
             try:
                 opt.step()
             finally:
                 muon.newton_schulz = newton_schulz
+                torch.distributed.all_gather_object = all_gather_object
             # Each logical matrix is orthogonalised once in the whole group, not once per rank, and not all by
             # the same rank.
             total, most = torch.tensor(calls["n"]), torch.tensor(calls["n"])
@@ -125,6 +134,9 @@ def _check_against_reference(layout: str, world: int) -> None:
             torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
             assert total.item() == sum(len(rows) for rows, _ in shapes.values()), (layout, total.item())
             assert most.item() < total.item(), (layout, most.item())
+            # F20: all of a step's matrices share one process group here, so one gather, on the first step only
+            # (one per matrix before).
+            assert gathers == [0], (layout, gathers)
             for name, (rows, _) in shapes.items():
                 w = getattr(reference, name).weight.data
                 reference_muon_step(w, _grad(f"{name}.weight", w.shape, step), ref_states[name], lr=LR,

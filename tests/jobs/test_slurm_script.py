@@ -136,12 +136,27 @@ def test_cpus_per_task_follows_the_gpus_and_reaches_srun():
     assert not any(line.startswith("#SBATCH --cpus-per-task") for line in script().splitlines())  # CPU job
 
 
+def lumi_preparation(lines: list[str]) -> str:
+    """The LUMI script's step that runs once on every node before training (N10)."""
+    (line,) = [line for line in lines if line.startswith("srun --ntasks-per-node=1 ")]
+    return line
+
+
 def test_lumi_script_sets_up_the_network_binding_and_caches():
     lumi = render("lumi")
     lines = lumi.splitlines()
     for line in ("module use /appl/local/laifs/modules", "module load lumi-aif-singularity-bindings",
-                 "export CXI_FORK_SAFE=1", "export CXI_FORK_SAFE_HP=1", 'mkdir -p "$MIOPEN_USER_DB_PATH"'):
+                 "export CXI_FORK_SAFE=1", "export CXI_FORK_SAFE_HP=1"):
         assert line in lines, line
-    assert lines.index('mkdir -p "$MIOPEN_USER_DB_PATH"') > lines.index(
-        'export MIOPEN_USER_DB_PATH="/tmp/${USER}-miopen-${SLURM_JOB_ID}"')
+    # The MIOpen directory is made on every node (a step of one task per node, in the container), not on the batch
+    # host only, and numactl, which --numa-binding runs each rank under, is checked there.
+    prepare = lumi_preparation(lines)
+    assert lines.index(prepare) > lines.index('export MIOPEN_USER_DB_PATH="/tmp/${USER}-miopen-${SLURM_JOB_ID}"')
+    assert "rocm-pytorch.sif bash -c 'mkdir -p \"$MIOPEN_USER_DB_PATH\"" in prepare and "numactl" in prepare
     assert "--numa-binding=exclusive" in lumi and "--numa-binding" not in render("default")
+    # A shared small-g node: no binding (it needs whole nodes), so no numactl needed; the directory still made.
+    shared = render_slurm_script(load_config(DEMO_CONFIG, CASES["lumi"] + ["--slurm.partition=small-g",
+                                                                         "--slurm.gpus_per_node=2"], environ={}),
+                                 JOB_DIR, WORKDIR)
+    assert "--numa-binding" not in shared and "#SBATCH --exclusive" not in shared
+    assert "numactl" not in lumi_preparation(shared.splitlines()) and "mkdir" in lumi_preparation(shared.splitlines())

@@ -68,6 +68,28 @@ def test_submit_without_sbatch_writes_every_point_and_reports(tmp_path):
         submit_sweep(path, [f"--job.dump_dir={tmp_path / 'jobs'}"], no_submit=True)
 
 
+def test_an_lr_axis_has_a_readable_tick_at_each_swept_value():
+    """The walkthrough's sweep PNG had a linear LR axis with overlapping ticks (0.00100.00125...)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from maester.jobs.sweep import parameter_axis
+
+    fig, ax = plt.subplots()
+    ax.scatter([1e-3, 3e-3, 1e-3], [2.0, 1.9, 2.1])
+    parameter_axis(ax, [1e-3, 3e-3, 1e-3])
+    fig.canvas.draw()
+    assert ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.001", "0.003"]
+    assert [t.get_text() for t in ax.get_xticklabels(minor=True)] == []
+    ax2 = fig.add_subplot(2, 1, 2)
+    parameter_axis(ax2, [64, 96])  # a narrow numeric range stays linear
+    assert ax2.get_xscale() == "linear" and [t.get_text() for t in ax2.get_xticklabels()] == ["64", "96"]
+    plt.close(fig)
+
+
 def test_lr_transfer_sweep_runs_here_and_reports_the_best_lr_per_width(tmp_path):
     """The shipped LR-transfer sweep, cut to 2 widths x 2 LRs of 3 steps: `sweep run` trains every point without
     SLURM, `status` says COMPLETED, and `report --transfer` plots and names each width's best LR."""

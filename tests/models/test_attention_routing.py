@@ -131,6 +131,60 @@ def test_sft_batches_carry_offsets(tmp_path):
         assert torch.equal(batch.document_offsets, document_offsets(batch.document_ids, 2, 128, CPU))
 
 
+def micro_batches_with_documents(n: int = 3) -> list:
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(n):
+        rows = torch.randint(2, 50, (2, 65), generator=g)
+        rows[0, 4:4 + 6 * i:6] = 1  # i end-of-document tokens: a different count of documents each
+        rows[1, 30 - 5 * i] = 1
+        batches.append(make_batch(rows, document_masking=True, eos_id=1))
+    return batches
+
+
+def test_pipeline_stages_get_each_micro_batchs_document_offsets():
+    """F16 under PP: the offsets go to the stages as one host tensor that torch's pipelining splits like every
+    argument (its own split_args_kwargs_into_chunks), and each stage reads its micro-batch's back on the host."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    batches = micro_batches_with_documents()
+    assert len({len(b.document_offsets) for b in batches}) > 1
+    packed = layers.pack_offsets([b.document_offsets for b in batches])
+    joined = torch.cat([b.position_ids for b in batches])
+    _, chunks = split_args_kwargs_into_chunks((), {"document_offsets": packed, "position_ids": joined}, len(batches))
+    for batch, chunk in zip(batches, chunks):
+        assert torch.equal(chunk["position_ids"], batch.position_ids)
+        assert torch.equal(layers.unpack_offsets(chunk["document_offsets"]), batch.document_offsets)
+    # a batch moved to the device keeps its offsets on the host, where they were made
+    assert batches[0].to(CPU).document_offsets.device == CPU
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_varlen_takes_host_offsets_without_waiting_for_the_gpu():  # pragma: no cover - GPU check
+    """F16 on a GPU: a batch's host offsets, and a pipeline stage's row of packed ones, become the same cu_seqlens
+    on the device with no synchronisation."""
+    import warnings
+
+    batches = micro_batches_with_documents()
+    cuda_batch = batches[1].to(CUDA)
+    assert cuda_batch.document_offsets.is_pinned()
+    row = layers.pack_offsets([b.document_offsets for b in batches]).pin_memory()[1:2]
+    masks = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for offsets in (cuda_batch.document_offsets, row):
+                masks.append(layers.attention_mask("varlen", cuda_batch.document_ids, 2, 64, CUDA, True,
+                                                   offsets=offsets))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not [w for w in caught if "synchroniz" in str(w.message).lower()]
+    for mask in masks:
+        assert torch.equal(mask.cu_seqlens.cpu(), batches[1].document_offsets)
+
+
 def test_sdpa_keeps_torch_order_off_hopper():
     assert sdpa_priority(CPU) is None
 
@@ -161,19 +215,59 @@ def test_selective_checkpointing_with_flex_forces_compile(attention, documents, 
         assert selective_checkpointing_needs_compile(parallel, capped, False, 128, device)
 
 
+@pytest.mark.parametrize("attention, device, expected", [
+    ("auto", "cuda", True), ("sdpa", "cuda", False), ("auto", "cpu", False)])
+def test_context_parallel_with_selective_checkpointing_forces_compile(attention, device, expected):
+    """N6: pretraining without documents under cp > 1 still masks (the local queries attend over every cp rank's
+    keys), so `auto` resolves to flex on CUDA and eager selective checkpointing would wrap compiled flex."""
+    from types import SimpleNamespace
+
+    from maester.config import ParallelConfig
+    from maester.parallel.parallelize import selective_checkpointing_needs_compile
+
+    args = SimpleNamespace(attention=attention, sliding_window=None, attn_logit_softcap=None)
+    assert layers.resolve_attention(attention, torch.device(device), True) == ("flex" if expected else "sdpa")
+    cp = ParallelConfig(activation_checkpointing="selective-op", compile=False, cp=2)
+    assert selective_checkpointing_needs_compile(cp, args, False, 128, device) is expected
+    assert not selective_checkpointing_needs_compile(cp.model_copy(update={"cp": 1}), args, False, 128, device)
+
+
+def sdpa_kernels_run(fn) -> set[str]:
+    """The SDPA kernels (aten ops) that `fn()` dispatches to, as the profiler records them. Restricting the backends
+    from outside proves nothing: `attend` sets its own priority list (with MATH last) on Hopper."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")}
+
+
+def masked_grouped_attention(device: torch.device, dtype: torch.dtype):
+    q = torch.randn(2, 8, 256, 64, device=device, dtype=dtype)
+    k = v = torch.randn(2, 2, 256, 64, device=device, dtype=dtype)
+    ids = torch.zeros(2, 256, dtype=torch.long, device=device)
+    ids[:, 100:] = 1
+    mask = layers.attention_mask("sdpa", ids, 2, 256, device, needs_grad=False)
+    return lambda: layers.attend(q, k, v, mask)
+
+
+def test_the_kernel_check_sees_the_math_kernel():
+    """The check of the CUDA test below can fail: forced to the math kernel, it names it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    attention = masked_grouped_attention(CPU, torch.float32)
+    assert "aten::_scaled_dot_product_attention_math" not in sdpa_kernels_run(attention)
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert sdpa_kernels_run(attention) == {"aten::_scaled_dot_product_attention_math"}
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_masked_grouped_sdpa_avoids_the_math_kernel():  # pragma: no cover - GPU check
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
-    k = v = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
-    ids = torch.zeros(2, 256, dtype=torch.long, device="cuda")
-    ids[:, 100:] = 1
-    mask = layers.attention_mask("sdpa", ids, 2, 256, q.device, needs_grad=False)
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        out = layers.attend(q, k, v, mask)
-    assert out.shape == (2, 256, 8, 64)
+    """F5 on a GPU (N9): masked grouped-query SDPA, with the backend order `attend` itself sets, runs a fused
+    kernel, never math."""
+    ran = sdpa_kernels_run(masked_grouped_attention(CUDA, torch.bfloat16))
+    assert "aten::_scaled_dot_product_attention_math" not in ran, ran
+    assert ran & {"aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+                  "aten::_scaled_dot_product_flash_attention"}, ran
 
 
 @pytest.mark.cuda

@@ -289,24 +289,79 @@ def test_auto_dispatch_takes_the_loop_on_cpu():
         assert not grouped_mm_supported(x, layer.experts.down_proj)
 
 
+@pytest.mark.parametrize("capability, arch, env, fast", [
+    ((9, 0), None, {}, True),                      # H100, H200, GH200
+    ((10, 0), None, {}, True),                     # B200, GB200
+    ((10, 3), None, {}, True),                     # B300
+    ((8, 0), None, {}, False),                     # A100: torch's fallback, a host read per call
+    ((8, 9), None, {}, False),                     # L40S
+    ((12, 0), None, {}, False),                    # RTX 50 series
+    ((9, 0), "gfx90a:sramecc+:xnack-", {}, False),  # MI250X (ROCm reports capability 9.0 for it)
+    ((9, 0), "gfx90a", {"ROCM_ALLOW_GROUP_GEMM_CK": "1"}, False),
+    ((9, 4), "gfx942:sramecc+:xnack-", {}, False),  # MI300X: torch's CK grouped GEMM is opt-in
+    ((9, 4), "gfx942:sramecc+:xnack-", {"ROCM_ALLOW_GROUP_GEMM_CK": "1"}, True),
+    ((9, 5), "gfx950", {"ROCM_ALLOW_GROUP_GEMM_CK": "true"}, True),  # MI355X
+    ((9, 4), "gfx942", {"ROCM_ALLOW_GROUP_GEMM_CK": "0"}, False),
+])
+def test_grouped_gemm_only_where_torch_has_its_kernel(capability, arch, env, fast):
+    """N4: the path choice per device, as torch's `_grouped_mm_cuda` decides it (torch 2.10 to 2.15)."""
+    from maester.models.moe import grouped_mm_fast_path
+
+    assert grouped_mm_fast_path(capability, arch, env) is fast
+
+
+def test_the_loop_takes_host_counts_without_reading_the_device():
+    """Where expert parallel hands the experts their counts on the host, the loop splits by those, not by the device
+    tensor (here deliberately wrong: reading it would give another result)."""
+    layer = make_layer(dim=16)
+    x = torch.randn(10, 16)
+    counts = [3, 0, 2, 1, 0, 4, 0, 0]
+    expected = layer.experts(x, torch.tensor(counts))
+    got = layer.experts(x, torch.tensor([10, 0, 0, 0, 0, 0, 0, 0]), counts)
+    torch.testing.assert_close(got, expected)
+
+
+def _cuda_syncs(fn) -> int:
+    """How many times `fn()` waits for the GPU (torch's sync debug mode, which warns on each)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_grouped_gemm_on_cuda_trains_like_the_loop():
-    """On CUDA under bf16 autocast, `auto` runs the grouped GEMM; its forward and gradients match the loop's."""
-    from maester.models.moe import grouped_mm_supported
+    """On CUDA under bf16 autocast, `auto` runs the grouped GEMM where torch has its kernel for this GPU and the
+    loop elsewhere; forward and gradients match the loop's, and the layer waits for the GPU at most once per
+    forward (none with the grouped kernel), never in backward (N4: torch's fallback would, in every GEMM)."""
+    from maester.models.moe import grouped_mm_fast_path, grouped_mm_supported
 
     torch.manual_seed(0)
     layer = make_layer(dim=64).cuda()
     x = torch.randn(256, 64, device="cuda")
+    props = torch.cuda.get_device_properties(0)
+    fast = grouped_mm_fast_path(torch.cuda.get_device_capability(0),
+                                getattr(props, "gcnArchName", "") if torch.version.hip else None)
     results = {}
     for dispatch in ("loop", "auto"):
         layer.experts.dispatch = dispatch
         layer.zero_grad(set_to_none=True)
+        outputs = []
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if dispatch == "auto":
-                assert grouped_mm_supported(x, layer.experts.down_proj)
-            out = layer(x)
-        out.float().square().mean().backward()
+                assert grouped_mm_supported(x, layer.experts.down_proj) is fast
+            forward_syncs = _cuda_syncs(lambda: outputs.append(layer(x)))
+        out = outputs[0]
+        backward_syncs = _cuda_syncs(lambda: out.float().square().mean().backward())
+        if dispatch == "auto":
+            assert (forward_syncs, backward_syncs) == ((0, 0) if fast else (1, 0)), (forward_syncs, backward_syncs)
         results[dispatch] = (out.float(), layer.experts.gate_proj.grad.clone(), layer.router.gate.weight.grad.clone())
     for got, want in zip(results["auto"], results["loop"]):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

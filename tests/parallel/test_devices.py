@@ -57,6 +57,17 @@ def test_gpu_intent_ignores_hidden_devices():
                                "SLURM_JOB_GPUS": "(null)"}) == []
 
 
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure", "fp16"])
+def test_every_gpu_precision_means_a_gpu_was_meant(precision):
+    # A half-precision run with no GPU variables set (a workstation whose driver broke) must not fall back to the
+    # CPU: bf16-pure and fp16 count as GPU intent as bf16 does.
+    assert gpu_intent(precision, {}) == [f"training.precision = {precision!r}"]
+    assert gpu_intent("fp32", {}) == gpu_intent("auto", {}) == []
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=f"training.precision = '{precision}'"):
+            choose_device_type("auto", precision, env={})
+
+
 @no_gpu
 def test_trainer_refuses_auto_on_cpu_in_a_gpu_job(tmp_path, monkeypatch):
     from maester.config import load_config
@@ -105,18 +116,22 @@ def test_mps_is_one_process_on_the_mps_device(monkeypatch):
 
 
 def test_cpu_threads_are_shared_out_between_the_local_processes(monkeypatch):
-    import os
-
+    from maester.cpus import usable_cpus
     from maester.parallel.dims import set_cpu_threads
 
     before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cpus()
     try:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-        assert set_cpu_threads(None, torch.device("cpu")) is None and torch.get_num_threads() == before
+        line = set_cpu_threads(None, torch.device("cpu"))
+        assert line.startswith(f"{min(before, cores)} CPU thread(s) per process ({cores} usable CPU(s) by affinity "
+                               f"and cgroup quota; idle threads: ")
+        assert torch.get_num_threads() == min(before, cores)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        assert set_cpu_threads(None, torch.device("cpu")) == max(1, cores // 2) == torch.get_num_threads()
-        assert set_cpu_threads(3, torch.device("cpu")) == 3 == torch.get_num_threads()  # the setting wins
+        assert set_cpu_threads(None, torch.device("cpu")).startswith(f"{max(1, cores // 2)} CPU thread(s) per process")
+        assert torch.get_num_threads() == max(1, cores // 2)
+        assert set_cpu_threads(3, torch.device("cpu")).startswith("3 CPU thread(s)")  # the setting wins
+        assert torch.get_num_threads() == 3
         assert set_cpu_threads(3, torch.device("cuda")) is None  # a GPU run keeps torch's setting
     finally:
         torch.set_num_threads(before)

@@ -133,3 +133,65 @@ def test_pp_layers_needs_one_entry_per_stage_of_the_schedule(schedule, layers, o
     else:
         with pytest.raises(ValueError, match="needs one per stage"):
             dims(2, "--parallel.pp=2", *layout)
+
+
+@pytest.fixture
+def fake_world():
+    """16 ranks in one process (torch's fake process group): the meshes of a real layout, no traffic."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+    yield
+    dist.destroy_process_group()
+
+
+def test_flattened_views_are_kept_not_sliced_from_the_root(fake_world):
+    """F20: the flattened views (and HSDP's 2-D mesh over one) are the meshes `_flatten` returned, not slices of a
+    flattened name from the root, which torch deprecates; they hold the same ranks as those slices."""
+    import warnings
+
+    d = dims(16, "--parallel.dp_replicate=2", "--parallel.cp=2", "--parallel.tp=2", "--data.seq_len=32",
+             "--training.global_batch_size=8", "--training.micro_batch_size=2")
+    cases = [("dp",), ("dp_cp",), ("dp_shard",), ("dp_shard_cp",), ("dp_replicate", "dp_shard"),
+             ("dp_replicate", "dp_shard_cp"), ("tp",)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meshes = {names: d.submesh(*names) for names in cases}
+    assert not [w for w in caught if "flattened" in str(w.message)], [str(w.message) for w in caught]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for names, mesh in meshes.items():
+            assert mesh.mesh_dim_names == names
+            assert mesh.mesh.tolist() == d.mesh[names if len(names) > 1 else names[0]].mesh.tolist(), names
+    assert d.dp_rank == meshes[("dp",)].get_local_rank()
+
+
+def test_every_group_of_the_layout_gets_the_training_timeout(fake_world):
+    """N12: DeviceMesh.get_all_groups leaves out the flattened views' groups (FSDP's dp_shard, the loss's dp_cp,
+    ...), which then kept the long init timeout; `process_groups` has them."""
+    d = dims(16, "--parallel.dp_replicate=2", "--parallel.cp=2", "--parallel.tp=2", "--data.seq_len=32",
+             "--training.global_batch_size=8", "--training.micro_batch_size=2")
+    groups = d.process_groups()
+    flattened = [d.submesh(name).get_group() for name in ("dp", "dp_cp", "dp_shard", "dp_shard_cp")]
+    assert all(any(g is f for g in groups) for f in flattened)
+    assert not any(g is f for f in flattened for g in d.mesh.get_all_groups())  # the gap this closes
+    assert len(groups) == len({id(g) for g in groups})
+
+
+def test_set_collective_timeout_reaches_every_group_it_is_given():
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from maester.parallel.dims import set_collective_timeout
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(minutes=10))
+    try:
+        group = dist.new_group([0])
+        set_collective_timeout(7, [group])
+        for g in (group, dist.group.WORLD):
+            assert g._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=7)
+    finally:
+        dist.destroy_process_group()

@@ -8,7 +8,7 @@ import os
 import subprocess
 import time
 
-from tests.slurm.conftest import SlurmCluster, job_restarts, job_state, sbatch, wait_for_job
+from tests.slurm.conftest import SlurmCluster, job_record, job_restarts, job_state, sbatch, wait_for_job
 
 STEP_SCRIPT = """#!/bin/bash
 #SBATCH --ntasks=2
@@ -71,3 +71,34 @@ def test_the_batch_shell_gets_the_warning_signal_before_the_time_limit(slurm_clu
     # slurmstepd may add its own complaint to the output (a SIGCONT to the finished `sleep`): not the script's.
     lines = [line for line in (tmp_path / "signal.out").read_text().splitlines() if not line.startswith("slurmstepd")]
     assert lines == ["got SIGUSR1"]
+
+
+def test_the_lumi_scripts_node_preparation_runs_on_the_nodes(slurm_cluster: SlurmCluster, tmp_path):
+    """N10: the LUMI template's preparation step, as rendered (without a container), run in a real job: it makes
+    the MIOpen cache directory on the node, and without numactl on the node it stops the job with exit 2 and the
+    reason before any training (with numactl, it goes on)."""
+    import shutil
+
+    from maester.config import load_config
+    from maester.jobs.slurm import render_slurm_script
+    from tests.helpers import DEMO_CONFIG
+
+    cfg = load_config(DEMO_CONFIG, ["--slurm.template=lumi", "--slurm.gpus_per_node=0", "--slurm.mem=1G"],
+                      environ={})
+    lines = render_slurm_script(cfg, tmp_path / "job", tmp_path).splitlines()
+    start = lines.index('export MIOPEN_USER_DB_PATH="/tmp/${USER}-miopen-${SLURM_JOB_ID}"')
+    (end,) = [i for i, line in enumerate(lines) if line.startswith("srun --ntasks-per-node=1 ")]
+    miopen = tmp_path / "miopen"
+    script = ["#!/bin/bash", "#SBATCH --output=prepare.out", *lines[start:end + 1],
+              'echo "prepared $MIOPEN_USER_DB_PATH"']
+    script[2] = f'export MIOPEN_USER_DB_PATH="{miopen}"'
+    (tmp_path / "prepare.sh").write_text("\n".join(script) + "\n")
+    job = sbatch(["prepare.sh"], cwd=tmp_path)
+    state = wait_for_job(job, timeout=120)
+    out = (tmp_path / "prepare.out").read_text()
+    assert miopen.is_dir()
+    if shutil.which("numactl"):
+        assert state == "COMPLETED" and f"prepared {miopen}" in out, out
+    else:
+        assert state == "FAILED" and "ExitCode=2:0" in job_record(job), (state, out)
+        assert "numactl is not in the container image" in out and "prepared" not in out, out

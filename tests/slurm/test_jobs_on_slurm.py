@@ -4,12 +4,14 @@ preemption with requeue, cancel and retry. Each job is the tiny model on CPU."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from maester.jobs.slurm import recorded_jobs
+from maester.tools.job_status import status_items
 from maester.train.metrics import read_metrics
 from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides
 from tests.slurm.conftest import job_state, wait_for_job
@@ -122,6 +124,19 @@ def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
     # A stop at the walltime warning is a clean stop: no torchrun traceback, no "FAILED" in the error logs.
     errors = "".join((job / "logs" / f"{j}.err").read_text() for j in links)
     assert "Traceback" not in errors and "ChildFailedError" not in errors and "FAILED" not in errors, errors[-3000:]
+    # status: the stopped links as STOPPED, not COMPLETED; the stops, the last checkpoint; quickly
+    start = time.perf_counter()
+    items = dict(status_items(job))
+    assert time.perf_counter() - start < 5
+    # The trainer sees the stop file at its next step boundary: on a loaded machine a step or two after the touch.
+    shape = (rf"{links[0]} STOPPED \(link 1 of 3\): time limit at step (\d+), checkpointed \(SLURM: COMPLETED\), "
+             rf"{links[1]} STOPPED \(link 2 of 3\): time limit at step (\d+), checkpointed \(SLURM: COMPLETED\), "
+             rf"{links[2]} COMPLETED \(link 3 of 3\)")
+    match = re.fullmatch(shape, items["slurm"])
+    assert match, items["slurm"]
+    first, second = int(match[1]), int(match[2])
+    assert 4 <= first < second < steps and second >= 10, items["slurm"]
+    assert items["stops"].startswith("2 for a time limit") and items["checkpoint"].startswith(f"step-{steps}, ")
 
 
 @pytest.mark.parametrize("mode,workers", [("pretrain", 0), ("pretrain", 2), ("sft", 2)])
@@ -148,6 +163,8 @@ def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_he
     assert [got[s] for s in range(1, steps + 1)] == expected
     out = (job / "logs" / f"{record['job_id']}.out").read_text()
     assert "restart 1" in out
+    assert dict(status_items(job))["slurm"].startswith(f"{record['job_id']} COMPLETED, requeued 1 time(s): SIGTERM "
+                                                       f"at step ")
     err = (job / "logs" / f"{record['job_id']}.err").read_text()
     assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err, err[-3000:]
 

@@ -319,6 +319,10 @@ def test_tokenizer_spec_kinds(tmp_path, hf_tokenizer):
     assert cfg.kind == "tiktoken" and build_tokenizer(cfg).eos_id == 256
     with pytest.raises(ValueError, match="--special-tokens"):
         tokenizer_config(str(ranks))
+    assert tokenizer_config(str(ranks), eos_token="<|eot|>", special_tokens={"<|eot|>": 256},
+                            pattern="gpt2").pattern == "gpt2"  # --pattern
+    with pytest.raises(ValueError, match="--pattern applies to tiktoken rank files only"):
+        tokenizer_config("byte", pattern="gpt2")
     (tmp_path / "sp.model").write_bytes(b"\x0a\x0b\x00protobuf")
     assert tokenizer_config(str(tmp_path / "sp.model")).kind == "sentencepiece"
     with pytest.raises(FileNotFoundError, match="no such file"):

@@ -93,6 +93,16 @@ def test_report_of_a_finished_job(finished_job, capsys):
     assert "skipped steps" not in lines
 
 
+def test_report_of_a_relative_job_path(finished_job, tmp_path, monkeypatch, capsys):
+    """`maester report jobs/<name>` as the docs write it, from the directory above the jobs."""
+    job = tmp_path / "jobs" / "relative"
+    shutil.copytree(finished_job, job)
+    monkeypatch.chdir(tmp_path)
+    main(["report", "jobs/relative"])
+    assert parse_summary((job / "report.txt").read_text())["checkpoint"] == f"checkpoints/step-{STEPS}"
+    assert "wrote jobs/relative/report.png" in capsys.readouterr().out
+
+
 def test_report_of_a_running_job(finished_job, tmp_path):
     job = copy_job(finished_job, tmp_path / "running", last_step=5)
     records = read_metrics(job / "metrics.jsonl")

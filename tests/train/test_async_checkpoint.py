@@ -21,7 +21,7 @@ from maester.config import CheckpointConfig, ModelConfig, OptimizerConfig, load_
 from maester.models.build import build_model
 from maester.train.checkpoint import Checkpointer, resolve_async_mode
 from maester.train.checkpoint_files import verify_checkpoint
-from maester.train.metrics import read_events, read_metrics
+from maester.train.metrics_file import read_events, read_metrics
 from maester.train.optim import build_optimizer
 from maester.train.trainer import Trainer
 from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, write_corpus
@@ -98,6 +98,10 @@ def test_a_background_save_holds_its_step_and_writes_what_a_synchronous_save_wri
     assert all((path / n).read_bytes() == (sync_path / n).read_bytes() for n in data)
 
 
+def events(job, kind: str) -> list[dict]:
+    return [r for r in read_events(job / "metrics.jsonl") if r["event"] == kind]
+
+
 def losses(job) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
 
@@ -126,7 +130,7 @@ def test_killed_during_a_background_write_resumes_bit_identical(reference, tmp_p
     main(["train", str(job)])  # the resume, in this process
     assert "resumed from" in (log := (job / "logs" / "train.log").read_text()) and "step-2 at step 2" in log
     assert losses(job) == expected
-    saves = read_events(job / "metrics.jsonl", "checkpoint")
+    saves = events(job, "checkpoint")
     assert [(r["step"], r["background"]) for r in saves] == [(2, True), (4, True), (6, False)]
     assert all(r["checkpoint_blocked_seconds"] > 0 and r["checkpoint_write_seconds"] > 0 for r in saves)
 
@@ -181,9 +185,9 @@ def test_a_failed_background_write_is_reported_and_retried_at_the_next_interval(
     assert seen == [False]  # no `latest` while step 2's write had failed
     log = (job / "logs" / "train.log").read_text()
     assert "the background save of step-2 failed: checkpoint step-2 could not be written" in log
-    failed = read_events(job / "metrics.jsonl", "checkpoint_failed")
+    failed = events(job, "checkpoint_failed")
     assert [r["step"] for r in failed] == [2] and "File too large" in failed[0]["error"]
-    assert [r["step"] for r in read_events(job / "metrics.jsonl", "checkpoint")] == [4, 6]
+    assert [r["step"] for r in events(job, "checkpoint")] == [4, 6]
     assert sorted(p.name for p in (job / "checkpoints").iterdir()) == ["latest", "step-4", "step-6"]
     assert losses(job) == expected  # the failure changed nothing in training
 
@@ -202,7 +206,7 @@ def test_a_run_whose_last_save_failed_does_not_end_quietly(reference, tmp_path, 
            "be written" in err and "File too large" in err
     job = tmp_path / "jobs" / "full"
     assert [r["step"] for r in read_metrics(job / "metrics.jsonl")] == [1, 2, 3, 4, 5]
-    assert [r["step"] for r in read_events(job / "metrics.jsonl", "checkpoint_failed")] == [2, 4]
+    assert [r["step"] for r in events(job, "checkpoint_failed")] == [2, 4]
     assert not (job / "COMPLETED").exists()
     assert [p.name for p in (job / "checkpoints").iterdir()] == []
 

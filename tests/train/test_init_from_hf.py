@@ -75,20 +75,35 @@ def test_one_process_run_starts_from_the_hf_weights(source):
     assert all(torch.equal(Trainer(cfg, cfg.job_dir).model.state_dict()[k], v) for k, v in expected.items())
 
 
-def test_fsdp_run_starts_from_the_hf_weights(source):
+def test_fsdp_run_starts_from_the_hf_weights(source, tmp_path):
+    """Here from a Hub id (the mock Hub on 127.0.0.1), whose weights take longer to download than the collective
+    timeout (N5): they are fetched before the process group exists, by local rank 0 while rank 1 waits on the
+    cache's lock, so no rank waits in a collective meanwhile. Fetched by rank 0 inside the load, after
+    init_process_group, the download ended rank 1's wait in a gloo timeout."""
+    from tests.hub_server import MockHub
+    from tests.test_hub import hub_env
+
     root, hf, corpus, overrides = source
-    cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "fsdp", **overrides), environ={})
-    write_job_dir(cfg)
-    run = torchrun(2, ["train", str(cfg.job_dir)], root)
+    hub = MockHub()
+    try:
+        hub.add("org/tiny-gemma3", {f.name: f.read_bytes() for f in (root / "hf").iterdir()})
+        hub.delays[".safetensors"] = 8.0
+        hub_overrides = dict(overrides, checkpoint__init_from="hf:org/tiny-gemma3", training__init_timeout_seconds=5)
+        cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "fsdp", **hub_overrides), environ={})
+        write_job_dir(cfg)
+        run = torchrun(2, ["train", str(cfg.job_dir)], root, env=hub_env(hub, tmp_path / "hf-home"))
+    finally:
+        hub.stop()
     assert run.returncode == 0, run.stderr[-4000:]
     assert "dp_shard 2" in run.stderr
+    assert [name for name, _ in hub.reads if name.endswith(".safetensors")] == ["model.safetensors"]
     one = load_config(None, tiny_overrides(corpus, root / "jobs", "peek", **{**overrides,
                                                                              "checkpoint__init_from": "null"}),
                       environ={})
     first = Trainer(one, one.job_dir).loader.next_step()  # the global batch is the same on any number of ranks
     assert read_metrics(cfg.job_dir / "metrics.jsonl")[0]["loss"] == pytest.approx(hf_loss(hf, first), rel=1e-5)
     state = json.loads((resolve_checkpoint(cfg.job_dir) / "trainer_state.json").read_text())
-    assert state["init_from"] == f"hf:{root / 'hf'}"
+    assert state["init_from"] == "hf:org/tiny-gemma3"
 
 
 def test_a_model_that_is_not_the_hf_one_is_refused(source):

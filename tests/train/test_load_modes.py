@@ -232,14 +232,34 @@ def test_step_offset_with_a_mode_that_takes_the_step_is_refused(corpus, tmp_path
                                          checkpoint__load_mode="transfer_with_lr"), environ={})
 
 
-def test_step_offset_past_the_last_step_is_refused(corpus, tmp_path):
-    with pytest.raises(ValueError, match="checkpoint.step_offset = 8 leaves nothing to train"):
-        make_trainer(corpus, tmp_path, "offset", checkpoint__step_offset=8)
+def test_step_offset_past_the_last_step_is_refused_with_the_config(corpus, tmp_path):
+    """GPT-NeoX's train_iters 30 with iteration_offset 220 is training.steps = 250: the config says so at once."""
+    with pytest.raises(ConfigError, match=r"checkpoint.step_offset = 220 leaves nothing to train with training.steps "
+                                          r"= 30: training.steps is the number of the last step, not a count .* set "
+                                          r"training.steps = 250"):
+        load_config(None, tiny_overrides(corpus, tmp_path, training__steps=30, checkpoint__step_offset=220),
+                    environ={})
+    assert load_config(None, tiny_overrides(corpus, tmp_path, training__steps=250, checkpoint__step_offset=220),
+                       environ={}).checkpoint.step_offset == 220
 
 
-def test_init_from_a_later_step_than_training_steps_is_refused(source, tmp_path):
+def test_the_first_step_after_an_offset_is_logged(corpus, tmp_path):
+    """Like step 1 of a fresh run: `maester status` and `report` see the run from its first step."""
+    trainer = make_trainer(corpus, tmp_path, "offset", **{**TARGET, "checkpoint__step_offset": FRESH_STEP_OFFSET},
+                           logging__interval=4)
+    trainer.train()
+    assert [r["step"] for r in read_metrics(trainer.job_dir / "metrics.jsonl")] == [FRESH_STEP_OFFSET + 1, 4, 6]
+
+
+def test_init_from_a_later_step_than_training_steps_is_refused_before_loading(source, tmp_path, monkeypatch):
     _, corpus, src, _ = source
-    with pytest.raises(ValueError, match=f"is at step {SOURCE_STEPS}, and training.steps = 4: nothing to train"):
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the steps were checked")
+
+    monkeypatch.setattr("maester.train.trainer.build_training_model", no_model)
+    with pytest.raises(ValueError, match=f"is at step {SOURCE_STEPS} and checkpoint.load_mode = 'continue' continues "
+                                         f"from it, but training.steps = 4: .* set training.steps = {SOURCE_STEPS + 4}"):
         make_trainer(corpus, tmp_path, "late", training__steps=4, checkpoint__init_from=str(src.job_dir),
                      checkpoint__load_mode="continue")
 

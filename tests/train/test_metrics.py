@@ -134,6 +134,13 @@ def test_peak_flops_falls_back_to_the_rocm_architecture(name, arch, expected):
     assert peak_flops(name, arch) == expected
 
 
+def test_no_mfu_on_the_cpu_says_so(caplog):
+    """The README promises a warning where mfu is null."""
+    with caplog.at_level(logging.WARNING, logger="maester"):
+        assert device_peak_flops(torch.device("cpu")) is None
+    assert "MFU is not reported on cpu: there is no peak-FLOPs figure for it" in caplog.text
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_device_peak_is_read_from_its_name_and_architecture():

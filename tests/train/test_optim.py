@@ -9,6 +9,7 @@ import torch
 
 from maester.config import ModelConfig, MupConfig, OptimizerConfig
 from maester.models.build import build_model
+from maester.train.metrics import format_console_line
 from maester.train.optim import build_optimizer
 
 CPU = torch.device("cpu")
@@ -85,7 +86,8 @@ def test_rules_come_first_in_order_and_the_groups_are_logged(caplog):
     assert got["tok_embeddings.weight"] == (LR, 0.0, False) and got["output.weight"] == (LR, WD, False)
     assert [g["name"] for g in opt.param_groups] == ["attention", "layer0", "norms", "embeddings", "decay"]
     table = caplog.text
-    assert "optimizer adamw (AdamW), width multiplier 1" in table
+    assert "optimizer adamw (AdamW) at lr 0.001; weight decay 0.1, decoupled (AdamW-style); per group below; " \
+        "width multiplier 1" in table
     assert "attention" in table and "layers.0.attention.q_proj.weight" in table and "0.0005" in table
 
 
@@ -120,7 +122,8 @@ def test_fused_and_foreach_implementations():
     (dict(name="nowhere.Optim"), r"optimizer.name 'nowhere.Optim' cannot be imported"),
     (dict(name="torch.nn.Linear"), r"optimizer.name 'torch.nn.Linear' is .*not a torch.optim.Optimizer subclass"),
     (dict(kwargs={"amsgard": True}), r"optimizer.kwargs.amsgard: AdamW takes no argument 'amsgard'"),
-    (dict(name="Rprop"), r"optimizer.name 'Rprop' takes no weight_decay: set optimizer.weight_decay = 0"),
+    (dict(name="Rprop", weight_decay=0.1), r"optimizer.name 'Rprop' takes no weight_decay: set "
+                                           r"optimizer.weight_decay = 0"),
     (dict(name="LBFGS", weight_decay=0.0, implementation="fused"), r"LBFGS has no fused implementation"),
 ])
 def test_bad_optimizer_settings_name_the_key(cfg, message):
@@ -146,3 +149,35 @@ def test_mup_needs_a_known_lr_rule():
     model = tiny_model(width=128, mup=MupConfig(enabled=True, base_width=64))
     with pytest.raises(ValueError, match="it has no rule for optimizer.name 'LBFGS'"):
         build_optimizer(model, OptimizerConfig(name="LBFGS", weight_decay=0.0), CPU)
+
+
+@pytest.mark.parametrize("name, decay", [("adamw", 0.1), ("muon", 0.1), ("adam", 0.0), ("sgd", 0.0),
+                                         ("RMSprop", 0.0)])
+def test_default_weight_decay_is_decoupled_decay_only(name, decay):
+    """0.1 by default where the decay is AdamW-style (decoupled); none where the optimizer would apply it as L2."""
+    model = tiny_model()
+    decays = {g["name"].split("/")[0]: g["weight_decay"] for g in
+              build_optimizer(model, OptimizerConfig(name=name), CPU).param_groups}
+    assert decays == {"embeddings": 0.0, "no_decay": 0.0, "decay": decay}
+    explicit = build_optimizer(model, OptimizerConfig(name=name, weight_decay=0.05), CPU)
+    assert {g["name"].split("/")[0]: g["weight_decay"] for g in explicit.param_groups}["decay"] == 0.05
+
+
+@pytest.mark.parametrize("cfg, line", [
+    (dict(name="muon", lr=3e-3), "optimizer muon: hidden matrices on Muon at lr 0.02 (optimizer.muon.lr), the rest on "
+                                 "AdamW at lr 0.003 (optimizer.lr); weight decay 0.1, decoupled (AdamW-style); per "
+                                 "group below"),
+    (dict(name="adam", lr=8e-6), "optimizer adam (Adam) at lr 8e-06; no weight decay (L2 in Adam; adamw decouples it)"),
+    (dict(name="adam", weight_decay=0.01), "optimizer adam (Adam) at lr 0.0003; weight decay 0.01 as L2 "
+                                           "regularisation (added to the gradient, as Adam applies it; adamw "
+                                           "decouples it)"),
+])
+def test_the_first_log_lines_say_each_lr_and_how_decay_acts(cfg, line, caplog):
+    with caplog.at_level(logging.INFO, logger="maester"):
+        opt = build_optimizer(tiny_model(), OptimizerConfig(**cfg), CPU, log_groups=True)
+    assert caplog.records[0].getMessage().startswith(line + "; width multiplier 1:\n")
+    record = {"step": 1, "loss": 5.0, "lr": opt.param_groups[-1]["lr"], "grad_norm": 1.0, "tokens_per_second": 1.0,
+              "data_loading_seconds": 0.0, "peak_memory_gib": 0.1,
+              **{f"lr/{g['name']}": g["lr"] for g in opt.param_groups}}
+    assert format_console_line(record).startswith(
+        "step 1 | loss 5.0000 | lr " + ("0.003 (muon 0.02) |" if cfg["name"] == "muon" else f"{record['lr']:.3g} |"))

@@ -19,6 +19,7 @@ import pytest
 
 from maester.cli import main
 from maester.config import load_config
+from maester.train.metrics_file import read_events
 from maester.train.metrics import read_metrics
 from maester.train.preemption import (
     COMPLETED_FILE,
@@ -132,6 +133,10 @@ def test_stop_file_then_sigterm_then_resume_gives_the_uninterrupted_losses(corpu
         assert got[step] == expected[step], (step, got[step], expected[step])  # bitwise: JSON keeps every bit
     assert json.loads((job / COMPLETED_FILE).read_text())["step"] == STEPS
     assert not (job / REQUEUE_FILE).exists()  # the request was served by this run
+    # each stop is an event line, which `maester status` counts
+    stops = [(e["step"], e["reason"], e["checkpoint"]) for e in read_events(job / "metrics.jsonl")
+             if e["event"] == "stop"]
+    assert stops == [(1, STOP_FILE, "step-1"), (stopped_at, "SIGTERM", f"step-{stopped_at}")]
 
     # A later link of a chain: nothing to do, and nothing in the job directory changes.
     before = snapshot(job)

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from maester.config import ScheduleConfig
-from maester.train.schedule import lr_multiplier
+from maester.train.schedule import lr_multiplier, warmup_clamped
 
 
 def curve(total=100, **kw):
@@ -59,3 +59,21 @@ def test_step_decay_drops_by_gamma_after_each_milestone():
 def test_step_decay_settings_are_checked(kw, message):
     with pytest.raises(ValueError, match=message):
         ScheduleConfig(**kw)
+
+
+@pytest.mark.parametrize("name", ["constant", "cosine", "linear", "wsd"])
+def test_a_warmup_longer_than_the_run_is_clamped_with_a_warning(name):
+    c = curve(total=4, name=name, warmup_steps=20)
+    assert c == pytest.approx([0.25, 0.5, 0.75, 1.0])  # warms up over all 4 steps, reaching the peak at the last
+    assert warmup_clamped(ScheduleConfig(warmup_steps=20), 4) == (
+        "schedule.warmup_steps = 20 is longer than the 4 step(s) this run schedules: warming up over all 4 (set "
+        "schedule.warmup_steps, or schedule.warmup_fraction for a share of the run)")
+    assert warmup_clamped(ScheduleConfig(warmup_steps=4), 4) is None
+
+
+def test_warmup_fraction_is_a_share_of_the_run():
+    long, short = curve(total=200, name="constant", warmup_fraction=0.1), curve(total=10, name="constant",
+                                                                                  warmup_fraction=0.1)
+    assert long[:21] == pytest.approx([s / 20 for s in range(1, 21)] + [1.0])
+    assert short[:2] == [1.0, 1.0]  # round(0.1 * 10) = 1 step of warmup
+    assert warmup_clamped(ScheduleConfig(warmup_fraction=0.1), 10) is None

@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if "torch" not in sys.modules:  # OpenMP reads how its threads wait when torch loads (maester.cpus)
+        from maester.cpus import prefer_passive_waiting
+
+        prefer_passive_waiting()
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not COMMANDS[args.command].overrides:

@@ -121,6 +121,9 @@ def _tokenizer_args(p, required: bool) -> None:
     p.add_argument("--eos-token", metavar="TOKEN", help="the EOS token's text (default: the tokenizer's own)")
     p.add_argument("--special-tokens", nargs="+", action="extend", default=[], metavar="TOKEN=ID",
                    help="tiktoken only: special tokens after the ranks")
+    p.add_argument("--pattern", metavar="REGEX_OR_NAME",
+                   help="tiktoken rank files only: the pre-tokenizer regex, or gpt2, r50k_base, p50k_base, "
+                        "cl100k_base, llama3 (default: cl100k_base's)")
     p.add_argument("--control-tokens", nargs="+", action="extend", default=[], metavar="MARKER=TOKEN",
                    help="markers in the text that become a special token's id, e.g. '<<<|user|>>>=<|user|>'")
 
@@ -149,7 +152,7 @@ def _data_tokenizer(args):
     if args.tokenizer is None:
         return None
     return tokenizer_config(args.tokenizer, bos_token=args.bos_token, eos_token=args.eos_token,
-                            special_tokens=parse_special_tokens(args.special_tokens),
+                            special_tokens=parse_special_tokens(args.special_tokens), pattern=args.pattern,
                             control_tokens=parse_pairs(args.control_tokens, "--control-tokens", "MARKER=TOKEN"))
 
 

@@ -22,7 +22,9 @@ class Batch:
     document_lengths: torch.Tensor | None = None  # (documents,) int64: lengths of the packed documents (SFT)
     document_offsets: torch.Tensor | None = None
     """(documents + 1,) int32: where each document starts in the flattened batch, then its size (varlen's
-    cu_seqlens); made here on the host from `document_ids`, so the device never waits to count documents."""
+    cu_seqlens); made here on the host from `document_ids`, so the device never waits to count documents, and kept
+    there by `to` (pinned for a GPU): the varlen mask copies them over without waiting, and a pipeline schedule
+    hands each stage its micro-batch's from the host (`layers.pack_offsets`)."""
 
     def __post_init__(self):
         if self.document_offsets is None and self.document_ids is not None and not self.document_ids.is_cuda:
@@ -33,13 +35,13 @@ class Batch:
 
     def to(self, device: torch.device) -> "Batch":
         """On `device`; to a GPU through pinned memory, without waiting for the copy."""
-        def move(t):
+        def move(t, stay_on_host: bool = False):
             if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
                 t = t.pin_memory()
-            return t.to(device, non_blocking=True)
+            return t if stay_on_host and t.device.type == "cpu" else t.to(device, non_blocking=True)
 
-        return Batch(**{f.name: None if getattr(self, f.name) is None else move(getattr(self, f.name))
-                        for f in fields(self)})
+        return Batch(**{f.name: None if getattr(self, f.name) is None else
+                        move(getattr(self, f.name), f.name == "document_offsets") for f in fields(self)})
 
     @property
     def num_tokens(self) -> int:

@@ -119,7 +119,15 @@ def read_conversations(text_prefix: str, label_prefix: str, vocab_size: int) -> 
 
 def trained_tokens(labels: IndexedDataset) -> int:
     """How many tokens a label dataset trains: labels other than -100, less each sequence's first."""
+    return int(trained_per_sequence(labels).sum())
+
+
+def trained_per_sequence(labels: IndexedDataset) -> np.ndarray:
+    """The tokens each sequence of a label dataset trains: its labels other than -100 but the first (int64)."""
     values = np.asarray(labels.tokens())
-    firsts = np.asarray(labels.pointers) // labels.dtype.itemsize
-    firsts = firsts[np.asarray(labels.sizes) > 0]
-    return int((values != IGNORE_INDEX).sum() - (values[firsts] != IGNORE_INDEX).sum())
+    sizes = np.asarray(labels.sizes, dtype=np.int64)
+    starts = np.asarray(labels.pointers, dtype=np.int64) // labels.dtype.itemsize
+    counted = (values != IGNORE_INDEX).astype(np.int64)
+    counted[starts[sizes > 0]] = 0  # nothing predicts a sequence's first token
+    running = np.concatenate([[0], np.cumsum(counted)])
+    return running[starts + sizes] - running[starts]

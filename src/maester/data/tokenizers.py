@@ -24,6 +24,13 @@ logger = logging.getLogger("maester")
 # cl100k_base's pre-tokenization regex (Llama 3 uses the same splits): the default for `tiktoken` rank files.
 CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
                   r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+# GPT-2's (also r50k_base's and p50k_base's), as tiktoken_ext.openai_public writes it.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+NAMED_PATTERNS = {"gpt2": GPT2_PATTERN, "r50k_base": GPT2_PATTERN, "p50k_base": GPT2_PATTERN,
+                  "cl100k_base": CL100K_PATTERN, "llama3": CL100K_PATTERN}
+"""`tokenizer.pattern` by name: the pre-tokenizer regex of the rank files of these encodings."""
+CL100K_RANKS = (100256, 128000)
+"""Rank counts of files the cl100k pattern is right for (cl100k_base's, Llama 3's): no warning without a pattern."""
 
 
 class Tokenizer(Protocol):
@@ -226,7 +233,13 @@ class TiktokenTokenizer:
         if eos_token is None:
             raise ValueError(f"tiktoken rank file {path}: no EOS token: set tokenizer.eos_token (and list it "
                              "in tokenizer.special_tokens)")
-        self._set(tiktoken.Encoding(name=f"maester:{path.name}", pat_str=pattern or CL100K_PATTERN,
+        if pattern is None and len(ranks) not in CL100K_RANKS:
+            logger.warning("tiktoken rank file %s (%d ranks): tokenizer.pattern is unset, so text is split with "
+                           "cl100k_base's pre-tokenizer regex (also Llama 3's); a file made for another regex "
+                           "tokenizes differently: set tokenizer.pattern to its regex, or a name (%s)", path,
+                           len(ranks), ", ".join(NAMED_PATTERNS))
+        self._set(tiktoken.Encoding(name=f"maester:{path.name}",
+                                    pat_str=NAMED_PATTERNS.get(pattern or "cl100k_base", pattern),
                                     mergeable_ranks=ranks, special_tokens=special_tokens), str(path), special_tokens,
                   bos_token, eos_token, pad_token)
 

@@ -269,6 +269,19 @@ def transfer_plot(root: Path, rows: list[dict], lr_key: str, width_key: str) -> 
     return path, best_lrs
 
 
+def parameter_axis(ax, values: list[float]) -> None:
+    """A numeric parameter's x axis: a tick at each swept value, labelled compactly (`0.003`, `1e-05`); on a log
+    scale when the values are positive and span a factor of 2 or more (LR grids are spaced by factors)."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    ticks = sorted(set(values))
+    if ticks[0] > 0 and ticks[-1] / ticks[0] >= 2:
+        ax.set_xscale("log")
+    ax.set_xticks(ticks, [f"{v:.3g}" for v in ticks], rotation=45 if len(ticks) > 4 else 0)
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def report(root: Path) -> tuple[Path, Path]:
     """Write <root>/report.csv and <root>/report.png (final loss against each parameter; loss curves)."""
     import matplotlib
@@ -295,8 +308,8 @@ def report(root: Path) -> tuple[Path, Path]:
             numeric = all(isinstance(r["params"][key], (int, float)) for r in done)
             xs = [r["params"][key] if numeric else str(r["params"][key]) for r in done]
             ax.scatter(xs, [r["loss"] for r in done])
-            if numeric and done and min(xs) > 0 and max(xs) / min(xs) >= 100:
-                ax.set_xscale("log")
+            if numeric and done:
+                parameter_axis(ax, xs)
             ax.set_xlabel(key)
             ax.set_ylabel("last logged loss")
             ax.grid(alpha=0.3)
@@ -305,7 +318,8 @@ def report(root: Path) -> tuple[Path, Path]:
             metrics = root / r["job"] / "metrics.jsonl"
             records = [m for m in read_metrics(metrics) if m.get("loss") is not None] if metrics.is_file() else []
             if records:
-                curves.plot([m["step"] for m in records], [m["loss"] for m in records], lw=1.2, label=r["job"])
+                label = r["job"] + ": " + ", ".join(f"{k.rsplit('.', 1)[-1]} {_format(v)}" for k, v in r["params"].items())
+                curves.plot([m["step"] for m in records], [m["loss"] for m in records], lw=1.2, label=label)
         curves.set_xlabel("step")
         curves.set_ylabel("training loss")
         if any(math.isfinite(r["loss"]) for r in done):

@@ -307,9 +307,13 @@ def _attention_mask(choice: str, document_ids: torch.Tensor | None, batch: int, 
     # max_len bounds every document by its row's length: the exact maximum would wait for the device again.
     if offsets is None:
         offsets = document_offsets(document_ids, batch, seq, device)
+    elif offsets.ndim == 2:  # one micro-batch's row of `pack_offsets`, from a pipeline schedule
+        offsets = unpack_offsets(offsets)
+    # From the host (pinned, `Batch.to`) without waiting for the device.
+    cu_seqlens = offsets.to(device=device, dtype=torch.int32, non_blocking=True)
     # One compiled graph for every number of documents, not one per count.
-    torch._dynamo.maybe_mark_dynamic(offsets, 0)
-    return AttentionMask("varlen", window, cu_seqlens=offsets.to(device=device, dtype=torch.int32), max_len=seq)
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+    return AttentionMask("varlen", window, cu_seqlens=cu_seqlens, max_len=seq)
 
 
 def _check_flex_trains(device: torch.device, needs_grad: bool) -> None:
@@ -370,6 +374,22 @@ def document_offsets(document_ids: torch.Tensor | None, batch: int, seq: int, de
     offsets = starts.flatten().nonzero().flatten()
     total = torch.full((1,), batch * seq, dtype=offsets.dtype, device=device)
     return torch.cat((offsets, total)).to(torch.int32)
+
+
+def pack_offsets(offsets: list[torch.Tensor]) -> torch.Tensor:
+    """Micro-batches' `document_offsets` (int32, on the host) as one (micro-batches, 1 + most offsets) int32 host
+    tensor, each row its count of offsets then the offsets: a pipeline schedule splits every tensor argument along
+    dim 0, so each stage's forward gets its micro-batch's row, and reads it on the host (`unpack_offsets`)."""
+    packed = torch.zeros(len(offsets), 1 + max(len(o) for o in offsets), dtype=torch.int32)
+    for row, o in zip(packed, offsets):
+        row[0] = len(o)
+        row[1:1 + len(o)] = o
+    return packed
+
+
+def unpack_offsets(row: torch.Tensor) -> torch.Tensor:
+    """The offsets of one micro-batch from its (1, width) row of `pack_offsets` (a view: pinned stays pinned)."""
+    return row[0, 1:1 + int(row[0, 0])]
 
 
 @functools.cache

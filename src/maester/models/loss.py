@@ -5,12 +5,16 @@ A (tokens x vocabulary) float32 logits tensor, its log-softmax and their gradien
 step with a large vocabulary: 16k tokens x 262k (Gemma 3) is 16 GiB each. Here each chunk's logits are made,
 reduced to a loss and freed; backward makes them again, one chunk at a time (activation checkpointing of the
 head, as torchtitan's chunked loss and OLMo-core's fused linear loss avoid the full logits).
+
+Under tensor parallel the head is vocabulary-sharded (a DTensor) and each chunk's logits are too: every chunk's
+cross-entropy is loss_parallel's, over this rank's V / tp columns, so a rank holds one chunk of its shard.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 CHUNK_ELEMENTS = 2**27
@@ -47,9 +51,20 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torc
                              chunk_tokens: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """`cross_entropy_sum(F.linear(h, weight), labels, softcap)` without the whole logits tensor: `h` (..., dim)
     hidden states, `weight` (vocab, dim), `labels` (...). Chunks of `chunk_tokens` tokens (default:
-    `chunk_tokens_for`); a batch that fits in one chunk is computed directly, as before."""
+    `chunk_tokens_for` this rank's rows of `weight`); a batch that fits in one chunk is computed directly.
+
+    A vocabulary-sharded `weight` (a DTensor, Shard(0) over tp: tensor parallel) gives each chunk Shard(-1)
+    logits, whose cross-entropy is loss_parallel's (run it under `loss_parallel()`); `h` is made whole on every
+    tp rank first (from its sequence shards under sequence parallel), as the output layer's ColwiseParallel did."""
+    vocab = weight.shape[0]
+    if isinstance(weight, DTensor):
+        vocab = weight.to_local().shape[0]
+        if not isinstance(h, DTensor):
+            h = DTensor.from_local(h, weight.device_mesh, [Replicate()], run_check=False)
+        elif not all(p.is_replicate() for p in h.placements):
+            h = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
     h, labels = h.flatten(0, -2), labels.flatten()
-    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    chunk = chunk_tokens or chunk_tokens_for(vocab)
     if h.shape[0] <= chunk:
         return _head_loss(h, weight, labels, softcap)
     if not torch.is_grad_enabled():

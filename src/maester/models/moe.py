@@ -3,8 +3,12 @@ choice), the experts run on their tokens with no capacity limit (dropless), and 
 by the gates; shared experts, where there are any, see every token.
 
 Experts' weights are stacked, one (n_experts, out, in) parameter per projection, in `nn.Linear`'s orientation.
-Tokens are sorted by expert and run as one grouped GEMM (`torch._grouped_mm`) on CUDA in bf16, else as a loop over
-the experts, which runs anywhere but reads the group sizes on the host.
+Tokens are sorted by expert and run as one grouped GEMM (`torch._grouped_mm`) where torch has a grouped kernel for
+the device (`grouped_mm_fast_path`: NVIDIA SM90/SM100 in bf16), else as a loop over the experts, which runs
+anywhere and needs the group sizes on the host: expert parallel has them already (one read with its split sizes),
+otherwise the loop reads them once per layer. On other GPUs (A100, MI250X, MI300X unless torch's CK path is
+enabled) `torch._grouped_mm` itself would loop, reading its offsets on the host in every call: three times in a
+layer's forward, six in its backward.
 
 Balancing: the load-balancing loss and the router z-loss are kept on the module after each training forward
 (`aux_loss`, coefficients applied) for the model to add to its loss; the auxiliary-loss-free bias (DeepSeek-V3)
@@ -14,7 +18,9 @@ device buffers that `moe_metrics` reads on logging steps only.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +75,15 @@ class GroupedExperts(nn.Module):
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x) if self.activation == "silu" else F.gelu(x, approximate="tanh")
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (tokens, dim) sorted by expert, `counts[e]` of them for expert e -> (tokens, dim)."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+        """x (tokens, dim) sorted by expert, `counts[e]` of them for expert e -> (tokens, dim). `host_counts`: the
+        same counts on the host where the caller has them (expert parallel), for the loop."""
         dtype = _compute_dtype(x)
         weights = [_local(p) for p in (self.gate_proj, self.up_proj, self.down_proj)]
         grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_supported(x, weights[2]))
-        return self._grouped(x.to(dtype), counts, weights) if grouped else self._loop(x, counts, weights)
+        if grouped:
+            return self._grouped(x.to(dtype), counts, weights)
+        return self._loop(x, counts.tolist() if host_counts is None else host_counts, weights)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         """One grouped GEMM per projection, in x's dtype (autocast does not cover `_grouped_mm`)."""
@@ -84,11 +93,11 @@ class GroupedExperts(nn.Module):
         up = torch._grouped_mm(x, w[1], offs=offs)
         return torch._grouped_mm(self._act(gate) * up, w[2], offs=offs)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        """Expert by expert; reads the group sizes on the host (a sync per layer, where no grouped GEMM runs)."""
+    def _loop(self, x: torch.Tensor, counts: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
+        """Expert by expert, with the group sizes on the host."""
         gate_proj, up_proj, down_proj = weights
         outs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):
+        for e, chunk in enumerate(x.split(counts)):
             h = self._act(F.linear(chunk, gate_proj[e])) * F.linear(chunk, up_proj[e])
             outs.append(F.linear(h, down_proj[e]))
         return torch.cat(outs)
@@ -108,12 +117,45 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
+GROUPED_MM_CUDA_MAJORS = (9, 10)
+"""Compute capabilities (major) where `torch._grouped_mm` has its grouped bf16 kernel: SM90 (H100, H200, GH200)
+and SM100 (B200, GB200, B300). torch 2.10 to 2.15, aten/src/ATen/native/cuda/GroupedBlas.cpp `_grouped_mm_cuda`:
+`_scaled_mm_allowed_device(sm90_only, sm100_only)`, i.e. major 9 or 10; every other GPU (A100 SM80, L40S SM89,
+RTX 50 SM120, Thor SM110) runs `_grouped_mm_fallback`."""
+
+GROUPED_MM_ROCM_ARCHS = ("gfx942", "gfx950")
+"""ROCm architectures (MI300X/MI325X, MI355X) where `torch._grouped_mm` runs composable_kernel's grouped GEMM, and
+only with ROCM_ALLOW_GROUP_GEMM_CK=1 (opt-in since torch 2.10: pytorch#170159, #171140) in a build with CK GEMM;
+otherwise, and always on gfx90a (MI250X: not in torch 2.10's list, and composable_kernel#3336 turned its CK Tile
+grouped GEMM off), the fallback."""
+
+
+def grouped_mm_fast_path(capability: tuple[int, int] | None, arch: str | None,
+                         env: dict[str, str] | None = None) -> bool:
+    """Whether `torch._grouped_mm` takes its grouped kernel on a GPU of this compute `capability` (NVIDIA) or ROCm
+    `arch` (`gcnArchName`, such as "gfx90a:sramecc+:xnack-"), in bf16; elsewhere it runs `_grouped_mm_fallback`,
+    which reads the offsets on the host in every call (`offs.cpu()`, aten/src/ATen/native/GroupedMMUtils.h) and
+    loops over the groups. `env`: the environment (default: this process's)."""
+    if arch:
+        env = os.environ if env is None else env
+        opted_in = env.get("ROCM_ALLOW_GROUP_GEMM_CK", "").strip().lower() in ("1", "true")
+        return opted_in and arch.split(":")[0] in GROUPED_MM_ROCM_ARCHS
+    return capability is not None and capability[0] in GROUPED_MM_CUDA_MAJORS
+
+
+@functools.cache
+def _fast_path_on(device: torch.device) -> bool:
+    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") if torch.version.hip else None
+    return grouped_mm_fast_path(torch.cuda.get_device_capability(device), arch)
+
+
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs forward and backward here: CUDA, computing in bf16 (weights cast, so
-    fp32 weights under bf16 autocast qualify), rows 16-byte aligned. On CPU recent torch runs the forward but not
-    the backward, so training there takes the loop."""
+    """Whether the experts run as one `torch._grouped_mm` here: a GPU where it has its grouped kernel
+    (`grouped_mm_fast_path`), computing in bf16 (weights cast, so fp32 weights under bf16 autocast qualify), rows
+    16-byte aligned. Elsewhere the loop is cheaper than torch's own fallback (one host read a layer, or none under
+    expert parallel, against one per GEMM call). On CPU recent torch runs the forward but not the backward."""
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and _compute_dtype(x) == torch.bfloat16
-            and all(n % 8 == 0 for n in weight.shape[1:]))
+            and all(n % 8 == 0 for n in weight.shape[1:]) and _fast_path_on(x.device))
 
 
 class MoEFeedForward(nn.Module):

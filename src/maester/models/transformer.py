@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from maester.models.args import TransformerArgs
 from maester.models.moe import MoEFeedForward, aux_loss
-from maester.models.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy_sum, softcap_logits
+from maester.models.loss import IGNORE_INDEX, linear_cross_entropy_sum, softcap_logits
 from maester.models.layers import (
     MLP,
     Attention,
@@ -232,10 +232,8 @@ class Transformer(nn.Module):
         if labels is None:
             logits = self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
             return logits if cap is None else softcap_logits(logits.float(), cap).to(logits.dtype)
+        # Chunked; a vocabulary-sharded head (TP) chunk by chunk under loss_parallel (`maester.models.loss`).
         weight = self.output.weight if self.output is not None else self.tok_embeddings.weight
-        if isinstance(weight, DTensor):  # a vocabulary-sharded head (TP): loss_parallel on the sharded logits
-            logits = self.output(h) if self.output is not None else F.linear(h, weight)
-            return self._add_aux_loss(cross_entropy_sum(logits, labels, softcap=cap), labels)
         return self._add_aux_loss(linear_cross_entropy_sum(h, weight, labels, softcap=cap), labels)
 
     def _add_aux_loss(self, loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

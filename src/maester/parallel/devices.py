@@ -37,8 +37,8 @@ def gpu_intent(precision: str, env: Mapping[str, str] | None = None) -> list[str
         value = env.get(name, "").strip()
         if value and value not in ("0", "(null)"):
             reasons.append(f"{name}={value} (a SLURM job with GPUs; a GPU template sets it)")
-    if precision == "bf16":
-        reasons.append("training.precision = 'bf16'")
+    if precision not in ("auto", "fp32"):  # bf16, bf16-pure and fp16 are GPU precisions
+        reasons.append(f"training.precision = {precision!r}")
     return reasons
 
 

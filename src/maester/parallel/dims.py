@@ -14,6 +14,15 @@ from maester.data.batch import BatchPlan
 from maester.parallel.pipeline import check_pipeline
 
 
+FLATTENED = {
+    "dp_shard": ("dp_shard_mod_ep", "ep"),
+    "dp_shard_cp": ("dp_shard_mod_ep", "ep", "cp"),
+    "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
+    "dp_cp": ("dp_replicate", "dp_shard_mod_ep", "ep", "cp"),
+}
+"""The mesh's flattened dimensions and the dimensions each spans."""
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """world = pp x dp_replicate x dp_shard x cp x tp; ep (expert parallel) divides dp_shard and has no ranks of its
@@ -121,31 +130,63 @@ class ParallelDims:
     def ddp_enabled(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1 and not self.force_fsdp
 
-    @cached_property
+    @property
     def mesh(self):
         """The mesh ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"), every dimension kept (size 1
-        where unused), with flattened views:
+        where unused). Its flattened views (`FLATTENED`, taken with `submesh`):
         - "dp_shard" = dp_shard_mod_ep x ep: FSDP of the dense parameters without CP;
         - "dp_shard_cp" = dp_shard x cp: FSDP of the dense parameters (the cp ranks hold the same weights);
         - "dp" = dp_replicate x dp_shard: the data-parallel ranks, one batch each (the cp and tp ranks of one dp
           rank read the same batch);
         - "dp_cp" = dp x cp: where the step's label tokens and loss are summed.
         Experts are split over "ep" and FSDP-sharded over "dp_shard_mod_ep"."""
+        return self._meshes[0]
+
+    @property
+    def _flattened(self) -> dict:
+        return self._meshes[1]
+
+    @cached_property
+    def _meshes(self) -> tuple:
+        """The mesh and its flattened views, made together (every rank creates their process groups in the same
+        order). The views are kept as `_flatten` returns them: torch deprecates slicing a flattened name from the
+        root mesh ("users need to bookkeep the flattened mesh directly")."""
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # "cpu:gloo,cuda:nccl" on GPUs
         mesh = init_device_mesh(device_type,
                                 (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"))
-        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-        mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
-        mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("dp_cp")
-        return mesh
+        return mesh, {name: mesh[dims]._flatten(name) for name, dims in FLATTENED.items()}
+
+    def submesh(self, *names: str):
+        """The mesh of the dimensions `names`, in mesh order: the mesh's own or flattened ones (`FLATTENED`), such
+        as ("dp_replicate", "dp_shard") for HSDP. Flattened ones are the kept meshes, joined to the others with
+        DeviceMesh._concatenate (no new process groups); a torch without it slices the root as before."""
+        flat = self._flattened
+        if not any(name in flat for name in names):
+            return self.mesh[names[0] if len(names) == 1 else names]
+        if len(names) == 1:
+            return flat[names[0]]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        concatenate = getattr(DeviceMesh, "_concatenate", None)
+        if concatenate is None:
+            return self.mesh[names]
+        return concatenate([flat[name] if name in flat else self.mesh[name] for name in names])
+
+    def process_groups(self) -> list:
+        """Every process group of the mesh, the flattened views' too (`DeviceMesh.get_all_groups` leaves those
+        out), each once."""
+        groups: list = []
+        for group in [*self.mesh.get_all_groups(), *(m.get_group() for m in self._flattened.values())]:
+            if not any(group is g for g in groups):
+                groups.append(group)
+        return groups
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
+        return self.submesh("dp").get_local_rank()
 
     def batch_plan(self, cfg: Config, dp_rank: int | None = None) -> BatchPlan:
         """How a step's batch splits over the data-parallel ranks; `dp_rank` None: this process's."""
@@ -190,23 +231,33 @@ def init_distributed(device_choice: str = "auto", timeout_s: float | None = None
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def set_cpu_threads(setting: int | None, device: torch.device) -> int | None:
-    """Intra-op threads of this process on a CPU run (`training.cpu_threads`): the setting, else, with several
-    local processes (torchrun's LOCAL_WORLD_SIZE), the usable cores shared out between them. Returns what was set,
-    None where torch's own default stays (one process, or a GPU run). Inter-op threads stay as they are: training
-    runs no inter-op work on the CPU (autograd runs it on the calling thread)."""
+def set_cpu_threads(setting: int | None, device: torch.device) -> str | None:
+    """Intra-op threads of this process on a CPU run (`training.cpu_threads`): the setting, else the CPUs it may use
+    (`maester.cpus.usable_cpus`: affinity and cgroup quota) shared out between the local processes of a torchrun
+    (LOCAL_WORLD_SIZE), and for one process at most torch's default (its physical cores). Returns a description for
+    the log; None on a GPU run, which keeps torch's setting. Inter-op threads stay as they are: training runs no
+    inter-op work on the CPU (autograd runs it on the calling thread)."""
+    from maester.cpus import usable_cpus
+
     if device.type != "cpu":
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = setting if setting is not None else (max(1, cores // local) if local > 1 else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    return threads
+    usable = usable_cpus()
+    if setting is not None:
+        threads = setting
+    elif local > 1:
+        threads = max(1, usable // local)
+    else:
+        threads = min(torch.get_num_threads(), usable)
+    torch.set_num_threads(threads)
+    wait = os.environ.get("OMP_WAIT_POLICY", "spinning first (libgomp's default)").lower()
+    return (f"{threads} CPU thread(s) per process ({usable} usable CPU(s) by affinity and cgroup quota"
+            f"{f', {local} local processes' if local > 1 else ''}; idle threads: {wait})")
 
 
-def set_collective_timeout(seconds: float, mesh=None, device: torch.device | None = None) -> None:
-    """Give the default process group and every group of `mesh` a new collective timeout.
+def set_collective_timeout(seconds: float, groups=(), device: torch.device | None = None) -> None:
+    """Give the default process group and `groups` (a layout's: `ParallelDims.process_groups`) a new collective
+    timeout.
 
     Every rank first finishes its queued work and meets the others at a barrier: a rank that shortened its timeout
     while another was still compiling would time out waiting for it (torchtitan's set_pg_timeouts does the same).
@@ -216,8 +267,7 @@ def set_collective_timeout(seconds: float, mesh=None, device: torch.device | Non
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier()
-    groups = [dist.group.WORLD] + (list(mesh.get_all_groups()) if mesh is not None else [])
-    for group in groups:
+    for group in [dist.group.WORLD, *groups]:
         if hasattr(group, "set_timeout"):
             group.set_timeout(timedelta(seconds=seconds))
         else:  # torch releases before ProcessGroup.set_timeout

@@ -34,21 +34,25 @@ class _ExpertDispatch:
 
     def dispatch(self, module, args):
         """(tokens sorted by expert, counts per expert of all E) -> (tokens of this rank's experts sorted by local
-        expert, counts per local expert): one count exchange, one host read of the splits (as torchtitan's token dispatch), one token all-to-all."""
+        expert, counts per local expert on the device and on the host): one count exchange, one host read of the
+        splits (as torchtitan's token dispatch), one token all-to-all."""
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         x, counts = args
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts.contiguous(), group=self.group)  # [from rank i][local expert]
-        by_rank = torch.stack([counts.view(self.ep, -1).sum(1), received.view(self.ep, -1).sum(1)]).tolist()
-        self.input_splits, self.output_splits = by_rank
+        # One host read: the split sizes, and the tokens of each local expert for the experts' loop (where no
+        # grouped GEMM runs: `moe.grouped_mm_fast_path`), which then reads nothing more.
+        on_host = torch.cat([counts.view(self.ep, -1).sum(1), received.view(self.ep, -1).sum(1),
+                             received.view(self.ep, -1).sum(0)]).tolist()
+        self.input_splits, self.output_splits = on_host[:self.ep], on_host[self.ep:2 * self.ep]
         x = all_to_all_single_autograd(x, self.output_splits, self.input_splits, self.group)
         # The tokens arrive grouped by source rank, then by local expert: regroup them by local expert.
         per_source = received.view(self.ep, -1)
         local = torch.arange(per_source.numel(), device=counts.device) % per_source.shape[1]
         # output_size: the length known on the host; without it repeat_interleave waits for the device
         self.order = local.repeat_interleave(per_source.reshape(-1), output_size=x.shape[0]).argsort(stable=True)
-        return x[self.order], per_source.sum(0)
+        return x[self.order], per_source.sum(0), on_host[2 * self.ep:]
 
     def combine(self, module, args, out):
         """The experts' outputs back in the order they arrived, then back to the ranks that sent the tokens."""

@@ -36,14 +36,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
         apply_compile(model)
     if dims.fsdp_enabled:
         def sharded_over(shard: str):  # HSDP: replicated over dp_replicate too
-            return dims.mesh["dp_replicate", shard] if dims.dp_replicate > 1 else dims.mesh[shard]
+            return dims.submesh("dp_replicate", shard) if dims.dp_replicate > 1 else dims.submesh(shard)
 
         # The cp ranks of a dp rank hold the same weights. Experts split over ep are FSDP-sharded over the rest of
         # the dp ranks, dividing their gradients by the whole dp size as the dense ones are (torchtitan's apply_fsdp
         # for MoE).
         experts = sharded_over("dp_shard_mod_ep") if dims.ep > 1 else None
         apply_fsdp(model, sharded_over("dp_shard_cp" if dims.cp > 1 else "dp_shard"), cfg, device, precision,
-                   experts_mesh=experts, experts_divide=dims.dp_size)
+                   experts_mesh=experts, experts_divide=dims.dp_size, pipelined=dims.pp > 1)
     elif dims.ddp_enabled:
         from torch.distributed._composable import replicate
 
@@ -163,8 +163,11 @@ def uses_loss_parallel(model: nn.Module) -> bool:
     return isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ())
 
 
-# Ops whose outputs selective checkpointing keeps: recomputing them costs the most.
+# Ops whose outputs selective checkpointing keeps: recomputing them costs the most. Context parallel's K/V
+# all-gather too: recomputed, each layer's gather would run again in backward, on the critical path (its output,
+# 2 x seq x kv_heads x head_dim per layer, is what the memory table of docs/context-parallel.md counts).
 _SAVE_OPS = {
+    torch.ops.maester.cp_all_gather.default,
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,  # biased linears (GPT-NeoX); torchtitan saves aten.linear too
     torch.ops.aten.linear.default,
@@ -179,16 +182,17 @@ _SAVE_OPS = {
 
 @cache
 def _saved_ops() -> frozenset:
-    """`_SAVE_OPS` with FlexAttention and variable-length attention, where this torch has them. Their modules are
-    imported at the first selective checkpoint, not with this one: they load torch._dynamo."""
-    ops = set()
+    """`_SAVE_OPS` with the grouped GEMM, FlexAttention and variable-length attention, where this torch has them.
+    The attention modules are imported at the first selective checkpoint, not with this one: they load
+    torch._dynamo."""
+    ops = {torch.ops.aten._grouped_mm.default} if hasattr(torch.ops.aten, "_grouped_mm") else set()
     try:
-        import torch.nn.attention.flex_attention  # noqa: F401 (registers the op)
+        import torch.nn.attention.flex_attention as _flex  # noqa: F401 (registers the op)
         ops.add(torch.ops.higher_order.flex_attention)
     except (ImportError, AttributeError):
         pass
     try:
-        import torch.nn.attention.varlen  # noqa: F401 (registers the op)
+        import torch.nn.attention.varlen as _varlen  # noqa: F401 (registers the op)
         ops.add(torch.ops.torch_attn._varlen_attn.default)
     except (ImportError, AttributeError):
         pass
@@ -205,13 +209,15 @@ def selective_checkpointing_needs_compile(parallel: ParallelConfig, args, docume
                                           device_type: str) -> bool:
     """Whether selective activation checkpointing would run eagerly around FlexAttention's separately compiled
     kernel on CUDA: a combination that errors or recomputes flex (pytorch#147879; torchtitan warns on it). Then the
-    blocks must be compiled with it. `args`: the model's TransformerArgs."""
+    blocks must be compiled with it. `args`: the model's TransformerArgs. Under context parallel the local queries
+    never see the same keys, so `auto` always takes flex on CUDA (`layers.context_parallel_mask`)."""
     if parallel.activation_checkpointing != "selective-op" or parallel.compile or device_type != "cuda":
         return False
     if args.attention == "flex":
         return True
     window = args.sliding_window
-    masked = document_masking or (window is not None and window < seq_len) or args.attn_logit_softcap is not None
+    masked = (document_masking or parallel.cp > 1 or (window is not None and window < seq_len)
+              or args.attn_logit_softcap is not None)
     return args.attention == "auto" and masked
 
 
@@ -240,12 +246,20 @@ def apply_compile(model: nn.Module) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=whole))
 
 
+def reshards_after_forward(cfg: ParallelConfig, pipelined: bool) -> bool:
+    """`parallel.fsdp_reshard_after_forward`, its default (None) resolved: not under pipeline parallel, where every
+    micro-batch's forward and backward would all-gather each block again (torchtitan's
+    `get_fsdp_reshard_after_forward_policy`: "default" is `not pp_enabled`)."""
+    return cfg.fsdp_reshard_after_forward if cfg.fsdp_reshard_after_forward is not None else not pipelined
+
+
 def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device,
-               precision: Precision | None = None, experts_mesh=None, experts_divide: int = 1) -> None:
+               precision: Precision | None = None, experts_mesh=None, experts_divide: int = 1,
+               pipelined: bool = False) -> None:
     """FSDP2 per block, then the root; the mixed-precision policy computes in the precision's dtype (and is the
     only cast: the trainer runs no autocast under FSDP). `experts_mesh`: under expert parallel, the mesh the
     experts of each block are sharded over first, as their own FSDP unit whose gradients are divided by
-    `experts_divide`."""
+    `experts_divide`. `pipelined`: `model` is a pipeline stage (see `reshards_after_forward`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if precision is None:
@@ -256,10 +270,11 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device
                                           reduce_dtype=DTYPES[cfg.reduce_dtype]),
         "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     }
+    resharding = reshards_after_forward(cfg, pipelined)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: no point resharding them.
-        reshard = cfg.fsdp_reshard_after_forward and i < len(blocks) - 1
+        reshard = resharding and i < len(blocks) - 1
         for moe in moe_layers(block) if experts_mesh is not None else ():
             fully_shard(moe.experts, reshard_after_forward=reshard, **{**kwargs, "mesh": experts_mesh})
             moe.experts.set_gradient_divide_factor(float(experts_divide))
@@ -270,4 +285,4 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     # The root (embeddings, final norm, output) keeps FSDP2's default, None: not resharded after forward, since
     # backward needs the output layer first; an explicit True would all-gather it again in every backward.
-    fully_shard(model, reshard_after_forward=None if cfg.fsdp_reshard_after_forward else False, **kwargs)
+    fully_shard(model, reshard_after_forward=None if resharding else False, **kwargs)

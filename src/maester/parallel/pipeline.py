@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from maester.config import Config, ParallelConfig
-from maester.models.loss import cross_entropy_sum
+from maester.models.layers import pack_offsets
 
 if TYPE_CHECKING:
     from maester.parallel.dims import ParallelDims
@@ -194,15 +194,17 @@ def build_pipeline_model(whole: nn.Module, dims: "ParallelDims", cfg: Config,
 
 class PipelineLoss:
     """The last stage's loss of one micro-batch: summed token losses over the step's label tokens (`n_labels`, over
-    the data-parallel ranks), times `scale` for backward (FSDP's averaging, a loss scale). Not a running total:
-    torch may call it once more on the first step to infer the backward's shapes."""
+    the data-parallel ranks), times `scale` for backward (FSDP's averaging, a loss scale). The last stage computes
+    the summed token losses itself, from the labels every stage receives, with the chunked loss of one process (no
+    whole logits); this divides and scales them. Not a running total: torch may call it once more on the first step
+    to infer the backward's shapes."""
 
     def __init__(self):
         self.n_labels = self.scale = None
         self.poison = False
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = cross_entropy_sum(logits, labels) / self.n_labels  # the stage's logits are soft-capped already
+    def __call__(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = loss_sum / self.n_labels
         if self.poison:
             loss = loss * float("nan")
         return loss * self.scale
@@ -225,22 +227,26 @@ class Pipeline:
         self.pp_group = pp_group
         self.stage_modules = {s.stage_index: s.submod for s in model.stages}
         pp, n = dist.get_world_size(pp_group), model.stages[0].num_stages
-        self.stage_rank = {s: dist.get_global_rank(pp_group, r) for r in range(pp)
-                           for s in stage_indices(r, pp, n, schedule)}
+        self.stage_rank = {s: r for r in range(pp) for s in stage_indices(r, pp, n, schedule)}  # pp group ranks
 
     def step(self, micro_batches, n_labels: torch.Tensor, scale, device: torch.device,
              poison: bool = False) -> torch.Tensor:
         """Forward and backward of the step; returns the step's loss (this dp rank's share), on every pp rank.
-        The position and document ids go to every stage (each makes its own attention masks); the host-made
-        document offsets do not (varlen attention counts them on the device)."""
+        The position and document ids go to every stage (each makes its own attention masks), and the labels too:
+        the last stage returns its micro-batch's summed token losses, not logits (the others ignore them). The
+        host-made document offsets go as one host tensor with a row per micro-batch (`layers.pack_offsets`), so
+        varlen attention on every stage takes its micro-batch's without counting documents on the device."""
         self.loss.n_labels, self.loss.scale, self.loss.poison = n_labels, scale, poison
 
         def joined(name: str) -> torch.Tensor:
             return torch.cat([getattr(b, name) for b in micro_batches])
 
-        kwargs = {"position_ids": joined("position_ids")}
+        kwargs = {"position_ids": joined("position_ids"), "labels": joined("labels")}
         if micro_batches[0].document_ids is not None:
             kwargs["document_ids"] = joined("document_ids")
+        if micro_batches[0].document_offsets is not None:
+            packed = pack_offsets([b.document_offsets.cpu() for b in micro_batches])
+            kwargs["document_offsets"] = packed.pin_memory() if device.type == "cuda" else packed
         args = (joined("input_ids"),) if self.has_first else ()
         target = joined("labels") if self.has_last else None
         losses: list[torch.Tensor] = []  # the micro-batches' scaled losses, on the rank with the last stage
@@ -255,38 +261,44 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, batch, device: torch.device) -> torch.Tensor:
         """The summed token loss of one batch (validation), on every pp rank: the batch goes through the stages in
-        order, not pipelined, each rank running its stages as their input arrives from the rank before."""
-        kwargs = {"position_ids": batch.position_ids}
+        order, not pipelined, each rank running its stages as their input arrives from the rank before, over the
+        pp group (the communicators training uses, not new ones on the world)."""
+        kwargs = {"position_ids": batch.position_ids, "labels": batch.labels,
+                  "document_offsets": batch.document_offsets}
         if batch.document_ids is not None:
             kwargs["document_ids"] = batch.document_ids
-        me, last = dist.get_rank(), len(self.stage_rank) - 1
+        me, last = dist.get_rank(self.pp_group), len(self.stage_rank) - 1
         h, total = batch.input_ids, torch.zeros((), device=device)
         for index in sorted(self.stage_modules):
             if index > 0 and self.stage_rank[index - 1] != me:
-                h = _receive(self.stage_rank[index - 1], device)
+                h = receive_tensor(self.stage_rank[index - 1], self.pp_group, device)
             h = self.stage_modules[index](h, **kwargs)
-            if index == last:
-                loss = cross_entropy_sum(h, batch.labels)
-                total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            if index == last:  # the summed token losses
+                total += (h.full_tensor() if isinstance(h, DTensor) else h).detach()
             elif self.stage_rank[index + 1] != me:
-                _send(h, self.stage_rank[index + 1])
+                send_tensor(h, self.stage_rank[index + 1], self.pp_group)
         dist.all_reduce(total, group=self.pp_group)
         return total
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
 
 
-def _send(h: torch.Tensor, dst: int) -> None:
-    """Hidden states to global rank `dst`, after a header with their shape and dtype."""
-    dist.send(torch.tensor([*h.shape, _DTYPES.index(h.dtype)], device=h.device), dst)
-    dist.send(h.contiguous(), dst)
+def send_tensor(t: torch.Tensor, dst: int, group) -> None:
+    """`t`, of any shape and one of `_DTYPES`, to rank `dst` of `group`: its rank count and dtype, its shape,
+    then its data."""
+    header = torch.tensor([t.ndim, _DTYPES.index(t.dtype)], device=t.device)
+    for part in (header, torch.tensor(t.shape, dtype=torch.int64, device=t.device), t.contiguous()):
+        dist.send(part, group=group, group_dst=dst)
 
 
-def _receive(src: int, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(4, dtype=torch.int64, device=device)
-    dist.recv(header, src)
-    *shape, dtype = header.tolist()
-    h = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
-    dist.recv(h, src)
-    return h
+def receive_tensor(src: int, group, device: torch.device) -> torch.Tensor:
+    """What `send_tensor` sent from rank `src` of `group`."""
+    header = torch.zeros(2, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=src)
+    ndim, dtype = header.tolist()
+    shape = torch.zeros(ndim, dtype=torch.int64, device=device)
+    dist.recv(shape, group=group, group_src=src)
+    t = torch.empty(shape.tolist(), dtype=_DTYPES[dtype], device=device)
+    dist.recv(t, group=group, group_src=src)
+    return t

@@ -178,7 +178,7 @@ def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_sh
                                                        pad_id=tok.pad_id, dtype=dtype))
             _write_json(tmp / "generation_config.json", generation_config(cfg, tok))
             if tokenizer:
-                _write_tokenizer_files(cfg, tmp, args.max_seq_len)
+                write_tokenizer_files(cfg, tok, tmp, args.max_seq_len, read_json_object(tmp / "config.json"))
             (tmp / "README.md").write_text(model_card(job=cfg.job.name, step=read_trainer_state(path)["step"],
                                                       checkpoint=path, architecture=name, base_model=base_model))
         if upload is not None:
@@ -187,11 +187,56 @@ def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_sh
     return out
 
 
+def _has_chat_template(cfg: Config) -> bool:
+    """Whether the model was fine-tuned on conversations (`data.mode = "sft"`) or the config names the tokenizer's
+    own template (`jinja`): its chat template goes with it."""
+    return cfg.data.mode == "sft" or cfg.data.sft.template == "jinja"
+
+
+# A conversation that shows every part of a chat template: turns of both roles, a second answer after a question.
+_PROBE = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+          {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6."}]
+
+
+def write_chat_template(cfg: Config, tokenizer, directory: Path, hf: dict) -> None:
+    """Put the chat template the job trained with (`data.sft`: a built-in layout, the markers with their special
+    tokens, or a Jinja template) into the exported tokenizer_config.json, so that `apply_chat_template`, `maester
+    chat` on the directory and the job's own encoding give the same ids; checked on a probe conversation. A
+    tokenizer's own template (`jinja` without `chat_template_path`) stays as it was copied."""
+    from maester.data.chat import ChatEncoder
+    from maester.data.chat.jinja import JinjaTemplate
+
+    ours = ChatEncoder(tokenizer, cfg.data.sft, cfg.tokenizer.path)
+    sft = cfg.data.sft
+    if sft.template != "jinja" or sft.chat_template_path:
+        file = directory / "tokenizer_config.json"
+        _write_json(file, {**read_json_object(file), "chat_template": ours.chat_template()})
+        (directory / "chat_template.jinja").unlink(missing_ok=True)  # transformers would take it over the config's
+    settings = hf_tokenizer_settings(directory, hf)
+    exported = JinjaTemplate(build_tokenizer(Config.model_validate(settings).tokenizer),
+                             sft.model_copy(update={"template": "jinja", "chat_template_path": None,
+                                                    "system_prompt": None}), str(directory))
+    probe = _probe(ours)
+    for what, mine, theirs in (("prompt", ours.prompt(probe[:3])[0], exported.prompt_ids(probe[:3])),
+                               ("conversation", ours.encode(probe).tokens.tolist(),
+                                exported.encode_messages(probe).tokens.tolist())):
+        if mine != theirs:
+            raise ValueError(f"the exported chat template does not give the job's {what} ids for a probe "
+                             f"conversation: {mine} here, {theirs} from the exported tokenizer files (are the "
+                             f"template's special tokens added tokens of tokenizer.json?); pass --no-tokenizer and "
+                             f"write the tokenizer files yourself")
+
+
+def _probe(encoder) -> list[dict]:
+    """_PROBE, its questions in the format's user role."""
+    return [{**m, "role": encoder.user_role} if m["role"] == "user" else m for m in _PROBE]
+
+
 def generation_config(cfg: Config, tokenizer) -> dict[str, Any]:
-    """BOS, EOS and pad ids for HF's `generate`; EOS also lists the chat template's end of turn when the model was
-    fine-tuned on conversations (`data.mode = "sft"`) or the config names the tokenizer's own template (`jinja`)."""
+    """BOS, EOS and pad ids for HF's `generate`; EOS also lists the chat template's end of turn when the template
+    goes with the model (`_has_chat_template`)."""
     eos: list[int] = [tokenizer.eos_id]
-    if cfg.data.mode == "sft" or cfg.data.sft.template == "jinja":
+    if _has_chat_template(cfg):
         from maester.data.chat import ChatEncoder
 
         eos += sorted(ChatEncoder(tokenizer, cfg.data.sft, cfg.tokenizer.path).stop_ids() - {tokenizer.eos_id})
@@ -200,10 +245,18 @@ def generation_config(cfg: Config, tokenizer) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _write_tokenizer_files(cfg: Config, directory: Path, max_seq_len: int) -> None:
+def write_tokenizer_files(cfg: Config, tokenizer, directory: Path, max_seq_len: int, hf: dict) -> None:
+    """The job's tokenizer as HF files in `directory` (the model's `hf` config.json is there), with the chat
+    template it trained with where it has one (`_has_chat_template`)."""
     if cfg.tokenizer.kind == "byte":
         write_byte_tokenizer(directory, max_seq_len)
-        return
+    else:
+        _copy_hf_tokenizer(cfg, directory)
+    if _has_chat_template(cfg):
+        write_chat_template(cfg, tokenizer, directory, hf)
+
+
+def _copy_hf_tokenizer(cfg: Config, directory: Path) -> None:
     source = tokenizer_path(cfg.tokenizer)
     source_dir = source if source.is_dir() else source.parent
     shutil.copyfile(source_dir / "tokenizer.json" if source.is_dir() else source, directory / "tokenizer.json")

@@ -54,7 +54,7 @@ def parse_special_tokens(values: Sequence[str]) -> dict[str, int]:
 
 
 def tokenizer_config(spec: str, *, bos_token: str | None = None, eos_token: str | None = None,
-                     special_tokens: dict[str, int] | None = None,
+                     special_tokens: dict[str, int] | None = None, pattern: str | None = None,
                      control_tokens: dict[str, str] | None = None) -> TokenizerConfig:
     """The TokenizerConfig a `--tokenizer SPEC` names.
 
@@ -67,22 +67,23 @@ def tokenizer_config(spec: str, *, bos_token: str | None = None, eos_token: str 
 
     head, _, name = spec.partition(":")
     if head == "tiktoken" and name and "/" not in name and not Path(name).exists():
-        if special_tokens:
-            raise ValueError(f"--tokenizer {spec}: a named encoding has its own special tokens; drop "
-                             f"--special-tokens")
+        if special_tokens or pattern:
+            raise ValueError(f"--tokenizer {spec}: a named encoding has its own special tokens and pattern; drop "
+                             f"--special-tokens and --pattern")
         return TokenizerConfig(kind="tiktoken", encoding=name, bos_token=bos_token, eos_token=eos_token,
                                control_tokens=control_tokens or {})
     kind, path = _kind_and_path(spec)
     if kind == "byte" and (bos_token or eos_token):
         raise ValueError("--tokenizer byte has fixed special tokens: --bos-token/--eos-token do not apply")
-    if kind != "tiktoken" and special_tokens:
-        raise ValueError(f"--special-tokens applies to tiktoken rank files only, not to --tokenizer {spec}")
+    if kind != "tiktoken" and (special_tokens or pattern):
+        raise ValueError(f"--{'special-tokens' if special_tokens else 'pattern'} applies to tiktoken rank files "
+                         f"only, not to --tokenizer {spec}")
     if kind == "tiktoken" and not (eos_token and special_tokens):
         raise ValueError(f"--tokenizer {spec}: a tiktoken rank file has no special tokens of its own: pass "
                          f"--special-tokens TOKEN=ID ... and --eos-token TOKEN")
     try:
         return TokenizerConfig(kind=kind, path=path, bos_token=bos_token, eos_token=eos_token,
-                               special_tokens=special_tokens or {},
+                               special_tokens=special_tokens or {}, pattern=pattern,
                                control_tokens=control_tokens or {})
     except ValidationError as e:
         raise ValueError(f"--tokenizer {spec}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
@@ -346,9 +347,9 @@ def indexed_prefixes(inputs: Sequence[str]) -> list[str] | None:
 def count_indexed(prefixes: Sequence[str], output: str | None = None) -> Summary:
     """The tokens of every sequence of existing indexed datasets, from their index (as GPT-NeoX's
     `count_tokens.py`); with `output`, one count per line there. Beside a label dataset (`_label_document`), the
-    tokens it trains are counted too."""
+    tokens it trains are counted too, and each line of `output` is `tokens trained`."""
     from maester.data.indexed import IndexedDataset
-    from maester.data.sft_indexed import LABEL_DOCUMENT, TEXT_DOCUMENT, open_pair, trained_tokens
+    from maester.data.sft_indexed import LABEL_DOCUMENT, TEXT_DOCUMENT, open_pair, trained_per_sequence
 
     summary = Summary("count", tokens=0)
     longest, trained = 0, None
@@ -357,14 +358,17 @@ def count_indexed(prefixes: Sequence[str], output: str | None = None) -> Summary
         try:
             for prefix in prefixes:
                 labels = prefix[:-len(TEXT_DOCUMENT)] + LABEL_DOCUMENT if prefix.endswith(TEXT_DOCUMENT) else None
+                per_sequence = None
                 if labels is not None and Path(f"{labels}.idx").is_file():
                     ds, label_ds = open_pair(prefix, labels)
-                    trained = (trained or 0) + trained_tokens(label_ds)
+                    per_sequence = trained_per_sequence(label_ds)
+                    trained = (trained or 0) + int(per_sequence.sum())
                 else:
                     ds = IndexedDataset(prefix)
                 sizes = np.asarray(ds.sizes, dtype=np.int64)
                 if out is not None:
-                    out.write("".join(f"{n}\n" for n in sizes.tolist()))
+                    out.write("".join(f"{n}\n" for n in sizes.tolist()) if per_sequence is None else
+                              "".join(f"{n} {t}\n" for n, t in zip(sizes.tolist(), per_sequence.tolist())))
                 longest = max(longest, int(sizes.max()) if len(sizes) else 0)
                 progress.update(len(sizes), int(sizes.sum()))
         finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from maester.files import AtomicOutputs
-from maester.train.metrics import read_metrics
+from maester.train.metrics_file import read_metrics
 
 
 def plot_loss(job_dir: Path, out: Path | None = None) -> Path:

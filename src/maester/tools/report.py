@@ -15,6 +15,7 @@ over it.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from maester.config import Config
 from maester.jobs.slurm import describe_restarts, recorded_jobs
-from maester.train.metrics import read_events, read_metrics
+from maester.train.checkpoint_dirs import newest_complete
+from maester.train.metrics_file import read_events, read_metrics
 from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE, read_marker
 
 RECENT = 5
@@ -164,8 +166,6 @@ def _validation_sources(evals: list[dict]) -> list[str]:
 def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dict],
                   status: Status) -> list[tuple[str, str]]:
     """The summary as (label, text) pairs, one line each."""
-    from maester.train.checkpoint import Checkpointer
-
     total = cfg.training.steps
     window = recent_window(train)
     span = _steps_span(window)
@@ -227,8 +227,8 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
         items.append(("restarts", f"{len(restarts)} after failures (slurm.max_restarts = {cfg.slurm.max_restarts})"))
         items += [("", line) for line in restarts]
 
-    checkpoint = Checkpointer(job_dir, cfg.checkpoint).latest()
-    items.append(("checkpoint", str(checkpoint.relative_to(job_dir.resolve())) if checkpoint else "none yet"))
+    checkpoint = newest_complete(job_dir / "checkpoints")
+    items.append(("checkpoint", os.path.relpath(checkpoint, job_dir) if checkpoint else "none yet"))
     items += checkpoint_save_items(job_dir / "metrics.jsonl")
     return items
 
@@ -236,8 +236,9 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
 def checkpoint_save_items(metrics_file: Path) -> list[tuple[str, str]]:
     """The saves' lines of the summary, from the `checkpoint` and `checkpoint_failed` events of metrics.jsonl:
     how many, how long the loop was blocked per save and how long the writes took; the newest failure."""
-    saved = read_events(metrics_file, "checkpoint")
-    failed = read_events(metrics_file, "checkpoint_failed")
+    events = read_events(metrics_file) if metrics_file.exists() else []
+    saved = [r for r in events if r["event"] == "checkpoint"]
+    failed = [r for r in events if r["event"] == "checkpoint_failed"]
     if not saved and not failed:
         return []
     background = sum(1 for r in saved if r.get("background"))

@@ -9,7 +9,6 @@ import json
 import logging
 import pickle
 import random
-import re
 import warnings
 import zlib
 from contextlib import contextmanager
@@ -25,13 +24,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+# Checkpoint names live where status reads them without torch; the names stay importable from here too.
+from maester.train.checkpoint_dirs import STEP_DIR, TRAINER_STATE, is_complete, step_dirs
+
 
 log = logging.getLogger("maester")
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-TRAINER_STATE = "trainer_state.json"
 
 
 MANIFEST = "manifest.json"
@@ -105,20 +105,6 @@ def single_process_ok():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-def is_complete(path: Path) -> bool:
-    """A finished checkpoint: not a save (or deletion) in progress, which carries a `.tmp` name, and with its DCP
-    metadata and trainer state. A job names its checkpoints step-<N>; a converted one may have any name."""
-    return not path.name.endswith(".tmp") and (path / ".metadata").is_file() and (path / TRAINER_STATE).is_file()
-
-
-def step_dirs(directory: Path) -> list[Path]:
-    """The `step-<N>` directories of a `checkpoints/` directory, newest first."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m[1]), p) for p in directory.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found, reverse=True)]
 
 
 def crc32_of(path: Path) -> str:

@@ -28,10 +28,22 @@ def hf_architecture_differences(name: str, args, hf_name: str, hf_args) -> list[
                   for key, (ours, theirs) in args.differences(hf_args, ignore=_HF_FREE_FIELDS).items()]
 
 
+def fetch_before_process_group(source: str) -> None:
+    """Bring a Hub id's files (`checkpoint.init_from = "hf:org/name"`) into the Hugging Face cache now, before the
+    process group exists: local rank 0 of each node downloads under the cache's file lock and the other local
+    ranks wait on that lock (`maester.hub`), as for the tokenizer. Fetched later, by rank 0 inside
+    `load_hf_weights`, a download longer than `training.init_timeout_seconds` would end the other ranks' wait in a
+    collective timeout. A local directory is left alone."""
+    from maester.hub import local_path
+
+    local_path(source, "checkpoint.init_from")
+
+
 def load_hf_weights(path: str | Path, model: nn.Module, name: str, where: str) -> None:
     """Load the weights of the HF model directory `path` into `model` (architecture `name`), which may be sharded
     (FSDP, TP). With several processes only rank 0 reads the directory; the tensors are broadcast and each rank keeps
-    its shards, and rank 0's error is raised on every rank. A Hub id is fetched there too, by rank 0 alone. The directory's config.json must describe `model.args`
+    its shards, and rank 0's error is raised on every rank. A Hub id is read from the cache, where
+    `fetch_before_process_group` put it. The directory's config.json must describe `model.args`
     (`hf_architecture_differences`); `where` names the setting that asked, for the error."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
         and torch.distributed.get_world_size() > 1

@@ -12,6 +12,11 @@ head. H is
 the number of attention heads, Q the head dimension, T the sequence length and W a layer's sliding window
 (T for a global layer), so a model without windows gets the usual 12 * L * H * Q * T. Causal sparsity is not
 discounted and recomputation (activation checkpointing) is not counted.
+
+It is nominal, as torchtitan's and OLMo-core's (`num_flops_per_token(seq_len)`, "idealized"): T is
+`data.seq_len` whatever the batch holds. Where documents are masked apart (packed SFT, document masking) a token
+attends within its document only and the kernels do 12 * H * Q * sum(d^2) / T per layer and token for documents
+of length d, so MFU then overstates the work done by the attention term's share (README, Metrics).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from torch import nn
 
 from maester.files import write_atomically
+from maester.train.metrics_file import read_metrics  # the reader, without torch; importable from here too
 from maester.models.loss import IGNORE_INDEX
 from maester.models.moe import moe_layers
 from maester.train.sinks import Sink, open_sinks, scalars
@@ -107,8 +113,11 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> int:
 
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """Peak FLOP/s of the device, or None (CPU, or a GPU not in the table: MFU is then not reported)."""
+    """Peak FLOP/s of the device, or None (CPU, or a GPU not in the table: MFU is then not reported, with a
+    warning)."""
     if device.type != "cuda":
+        log.warning("MFU is not reported on %s: there is no peak-FLOPs figure for it (maester.train.metrics."
+                    "PEAK_FLOPS lists GPUs); mfu is null in metrics.jsonl", device.type)
         return None
     name = torch.cuda.get_device_name(device)
     arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "") or ""
@@ -229,7 +238,9 @@ def _finite_or_none(record: dict) -> dict:
 
 
 def format_console_line(r: dict) -> str:
-    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3g}", f"grad_norm {r['grad_norm']:.3f}",
+    muon = [v for k, v in r.items() if k.startswith("lr/") and "/muon" in k]  # Muon's matrices: optimizer.muon.lr
+    lr = f"lr {r['lr']:.3g}" + (f" (muon {max(muon):.3g})" if muon else "")
+    parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", lr, f"grad_norm {r['grad_norm']:.3f}",
              f"tok/s {r['tokens_per_second']:,.0f}"]
     if r.get("mfu") is not None:
         parts.append(f"mfu {100 * r['mfu']:.1f}%")
@@ -240,49 +251,6 @@ def format_console_line(r: dict) -> str:
     parts.append(f"data {r['data_loading_seconds']:.3f}s")
     parts.append(f"mem {r['peak_memory_gib']:.2f}GiB")
     return " | ".join(parts)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The logged steps of a job, in step order; a step logged again after a restart overrides the earlier line."""
-    by_step: dict[int, dict] = {}
-    lines = path.read_text().split("\n")
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if lineno == len(lines):  # a running job may be writing its last line right now
-                break
-            raise ValueError(f"{path}:{lineno}: not valid JSON") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ValueError(f"{path}:{lineno}: not a metrics record (no integer 'step')")
-        if "event" in record:
-            continue
-        # A train line starts its step afresh (a restart logs the steps after its checkpoint again, dropping what
-        # the earlier attempt logged there); the eval line that follows it merges in.
-        step = record["step"]
-        by_step[step] = record if "loss" in record else {**by_step.get(step, {}), **record}
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def read_events(path: Path, kind: str) -> list[dict]:
-    """The event lines named `kind` (`{"event": kind, "step": ...}`) of a metrics.jsonl, in file order; a running
-    job's half-written last line is left out."""
-    events = []
-    lines = path.read_text().split("\n")
-    for lineno, line in enumerate(lines, 1):
-        if f'"{kind}"' not in line:
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if lineno == len(lines):
-                break
-            raise ValueError(f"{path}:{lineno}: not valid JSON") from None
-        if isinstance(record, dict) and record.get("event") == kind:
-            events.append(record)
-    return events
 
 
 BATCH_STATISTICS = ("labels", "real", "tokens", "documents", "document_tokens", "document_tokens_max")

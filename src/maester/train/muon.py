@@ -186,6 +186,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Every matrix's layout at once on the first step: one object gather per process group, not per matrix.
+        self._layouts.build([p for g in self.param_groups if g["muon"] for p in g["params"] if p.grad is not None])
         matrices: list[_Matrix] = []
         for group in self.param_groups:
             if group["muon"]:

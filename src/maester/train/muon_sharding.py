@@ -99,15 +99,41 @@ class Layouts:
 
     def of(self, p: Tensor) -> Layout:
         if p not in self._layouts:
-            self._layouts[p] = self._build(p)
+            self.build([p])
         return self._layouts[p]
 
-    def _build(self, p: Tensor) -> Layout:
+    def build(self, params: list[Tensor]) -> None:
+        """The layouts of `params` not known yet, with one object all-gather per process group for all of them
+        (not one per matrix: over gloo each costs a round trip). Every rank passes the same parameters in the
+        same order, so the groups' gathers come in the same order everywhere."""
+        pieces: dict[Any, dict[Tensor, Any]] = {}  # group -> {parameter: this rank's piece}, in order
+        for p in params:
+            if p in self._layouts or any(p in known for known in pieces.values()):
+                continue
+            group, mine = self._piece(p)
+            if group is None:
+                rows, cols = p.shape
+                self._layouts[p] = Layout(None, 0, [slice(0, rows)], [slice(0, cols)], [()])
+            else:
+                pieces.setdefault(group, {})[p] = mine
+        for group, mine in pieces.items():
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, list(mine.values()), group=group)
+            for i, p in enumerate(mine):
+                device = local(p).device
+                self._layouts[p] = Layout(group, dist.get_rank(group),
+                                          [_as_index(e[i][0].to(device)) for e in everyone],
+                                          [_as_index(e[i][1].to(device)) for e in everyone],
+                                          [e[i][2] for e in everyone])
+
+    def _piece(self, p: Tensor) -> tuple[dist.ProcessGroup | None, Any]:
+        """The group of ranks holding `p` (None: this process alone) and this rank's piece: its global rows and
+        columns and which copy of the matrix it holds."""
         rows, cols = p.shape
         device = local(p).device
         if not is_dtensor(p):
             if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-                return Layout(None, 0, [slice(0, rows)], [slice(0, cols)], [()])
+                return None, None
             # Plain tensors across processes: DDP, every rank a whole copy with the same averaged gradient.
             group, mine = dist.group.WORLD, (torch.arange(rows), torch.arange(cols), (dist.get_rank(),))
         else:
@@ -133,10 +159,7 @@ class Layouts:
         if "nccl" in str(dist.get_backend(group)) and device.type != "cuda":
             raise ValueError(f"Muon: a parameter of shape {(rows, cols)} ({layout_name(p)}) is on {device}, but its "
                              f"ranks talk over NCCL; CPU-offloaded parameters are not handled by Muon")
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        return Layout(group, dist.get_rank(group), [_as_index(e[0].to(device)) for e in everyone],
-                      [_as_index(e[1].to(device)) for e in everyone], [e[2] for e in everyone])
+        return group, mine
 
     def _mesh_group(self, mesh) -> dist.ProcessGroup:
         """The process group of all ranks of `mesh` (flattened, for a mesh of more than one dimension)."""

@@ -114,7 +114,8 @@ def resolve_groups(model: nn.Module, cfg: OptimizerConfig, width_mult: float = 1
                                  f"Muon, which takes matrices only")
         mup = mup_lr_multiplier(cfg, roles[name], muon, width_mult)
         base_lr = cfg.muon.lr if muon else cfg.lr
-        default_wd = cfg.muon.weight_decay if muon and cfg.muon.weight_decay is not None else cfg.weight_decay
+        default_wd = (cfg.muon.weight_decay if muon and cfg.muon.weight_decay is not None
+                      else cfg.resolved_weight_decay)
         wd = rule.weight_decay if rule.weight_decay is not None else default_wd
         key = (rule.name, muon, mup)
         if key not in groups:
@@ -192,9 +193,29 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
     except (TypeError, ValueError) as e:
         raise ValueError(f"optimizer.name {cfg.name!r}: {cls.__name__}({', '.join(kwargs)}) failed: {e}") from e
     if log_groups:
-        log.info("optimizer %s (%s), width multiplier %g:\n%s", cfg.name, cls.__name__, width_mult,
-                 describe_groups(resolved, cfg.name))
+        log.info("%s; width multiplier %g:\n%s", describe_optimizer(cfg, cls, _accepts(cls, "weight_decay")),
+                 width_mult, describe_groups(resolved, cfg.name))
     return optimizer
+
+
+def describe_optimizer(cfg: OptimizerConfig, cls: type, takes_decay: bool) -> str:
+    """One line: the base LRs (Muon's and optimizer.lr apart) and how the weight decay acts."""
+    if cfg.name == "muon":
+        line = (f"optimizer muon: hidden matrices on Muon at lr {cfg.muon.lr:g} (optimizer.muon.lr), the rest on "
+                f"AdamW at lr {cfg.lr:g} (optimizer.lr)")
+    else:
+        line = f"optimizer {cfg.name} ({cls.__name__}) at lr {cfg.lr:g}"
+    decay = cfg.resolved_weight_decay
+    if not takes_decay:
+        return line + "; no weight decay"
+    if cfg.decoupled_decay:
+        muon = cfg.muon.weight_decay
+        extra = f", {muon:g} on the Muon matrices" if cfg.name == "muon" and muon is not None else ""
+        return line + f"; weight decay {decay:g}{extra}, decoupled (AdamW-style); per group below"
+    if decay:
+        return line + (f"; weight decay {decay:g} as L2 regularisation (added to the gradient, as "
+                       f"{cls.__name__} applies it; adamw decouples it)")
+    return line + "; no weight decay (L2 in " + cls.__name__ + "; adamw decouples it)"
 
 
 def _fused_on(cls: type, device: torch.device) -> bool:

@@ -150,6 +150,8 @@ class Profiler:
             return ProfilerAction.RECORD if step < last else ProfilerAction.RECORD_AND_SAVE
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        if self.device.type != "cuda":  # kineto of a CUDA build probes for GPUs and logs an ERROR line where none is
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # read when the profiler first starts; 5: USDT only
         trace = torch.profiler.profile(activities=activities, schedule=action, on_trace_ready=self._write_trace,
                                        record_shapes=self.cfg.record_shapes, profile_memory=self.cfg.profile_memory,
                                        with_stack=self.cfg.with_stack)

@@ -67,6 +67,22 @@ def copy_single_process_init(model: torch.nn.Module, cfg: Config, args, param_dt
                          options=StateDictOptions(full_state_dict=True))
 
 
+def seed_dtensor_rng_per_rank(seed: int, mesh, device: torch.device) -> None:
+    """Make DTensor's random ops on GPUs draw from each rank's own generator state, so that a pipeline stage
+    initialised after `torch.manual_seed(seed + stage)` gets that stream. Left to itself, the first DTensor random
+    op creates torch's RNG tracker with run_state_sync=True, which broadcasts rank 0's CUDA RNG state over the
+    world: every pp rank's first stage would then draw stage 0's numbers. torch's own `manual_seed(seed, mesh)`
+    creates the tracker without that broadcast (torch/distributed/tensor/_random.py: "we still need to ensure
+    setting `run_state_sync=False` to support the pp case"; torchtitan's set_determinism with
+    distinct_seed_mesh_dims=["pp"] calls it for PP). On CPU DTensor has no RNG tracker; the ranks copy one
+    process's init instead (`copy_single_process_init`)."""
+    if device.type != "cuda":
+        return
+    from torch.distributed.tensor import _random
+
+    _random.manual_seed(seed, mesh)
+
+
 def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, device: torch.device,
                          precision: Precision, initialise: bool = True) -> torch.nn.Module:
     """The run's model: built on meta in the parameter dtype, parallelised (FSDP2/TP/DDP, activation
@@ -93,6 +109,9 @@ def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, 
 
     if dims.pp > 1:  # each pipeline stage parallelised and initialised on its own, from its own seed
         from maester.parallel.pipeline import build_pipeline_model
+
+        if initialise:
+            seed_dtensor_rng_per_rank(cfg.training.seed, dims.mesh, device)
 
         model = build_pipeline_model(build_on_meta(cfg.model, args, precision.param_dtype), dims, cfg,
                                      lambda stage: parallelize(stage, dims, parallel, device, precision),

@@ -36,7 +36,7 @@ from maester.train.checkpoint import (
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
-from maester.train.hf_weights import load_hf_weights
+from maester.train.hf_weights import fetch_before_process_group, load_hf_weights
 from maester.models.moe import moe_metrics, update_expert_bias
 from maester.train.metrics import (
     MetricsWindow,
@@ -56,7 +56,7 @@ from maester.train.preemption import (
     mark_completed,
 )
 from maester.train.profiling import Profiler
-from maester.train.schedule import lr_multiplier
+from maester.train.schedule import lr_multiplier, warmup_clamped
 from maester.train.setup import build_training_model, seed_everything, setup_logging
 
 log = logging.getLogger("maester")
@@ -84,6 +84,7 @@ class _Run:
     long_timeout: bool  # training.init_timeout_seconds still applies (until the first step and evaluation)
     flops_per_token: int
     peak_flops: float | None
+    first_step: int  # logged whatever logging.interval says: step 1, or the first after step_offset or init_from
     evaluated: bool = False
     last_checkpoint: Path | None = None  # the newest complete one this run wrote
     failed_save: SaveResult | None = None  # the newest save, where it failed
@@ -94,13 +95,14 @@ class _Run:
 class Trainer:
     def __init__(self, cfg: Config, job_dir: Path):
         self.cfg, self.job_dir = cfg, Path(job_dir)
+        if cfg.checkpoint.init_from_hf is not None:  # a Hub download runs under no collective timeout
+            fetch_before_process_group(cfg.checkpoint.init_from_hf)
         self.rank, self.world_size, self.device = init_distributed(cfg.training.device,
                                                                    cfg.training.init_timeout_seconds,
                                                                    cfg.training.precision, cfg.parallel.force_fsdp)
         setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
-        log.info("environment: %s%s", describe_environment(self.device),
-                 f", {threads} CPU thread(s) per process" if threads else "")
+        log.info("environment: %s%s", describe_environment(self.device), f", {threads}" if threads else "")
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.parallel.preflight import run_preflight
@@ -123,6 +125,8 @@ class Trainer:
         self._latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
         # A resume overwrites every weight and restores the RNG: the random init would be work thrown away.
         self._resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
+        if not self._resuming:
+            check_steps_left(cfg)  # before the model is built and the checkpoint loaded
         self.model = build_training_model(cfg, self.tokenizer.vocab_size, self.dims, self.device, self.precision,
                                           initialise=not self._resuming)
         # Parameters and FLOPs are counted on the whole model: under pp this rank holds some stages only.
@@ -133,10 +137,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
-        self.dp_group = self.dims.mesh["dp"].get_group() if self.world_size > 1 else None
+        self.dp_group = self.dims.submesh("dp").get_group() if self.world_size > 1 else None
         # Context parallel: each cp rank holds a share of its dp rank's loss; the loss sums over dp x cp.
         self.context_parallel = context_parallel_of(self.model)
-        self.loss_group = self.dims.mesh["dp_cp"].get_group() if self.dims.cp > 1 else self.dp_group
+        self.loss_group = self.dims.submesh("dp_cp").get_group() if self.dims.cp > 1 else self.dp_group
         self.pp_group = self.dims.mesh["pp"].get_group() if self.dims.pp > 1 else None
         self.pipeline = None  # parallel.pp > 1: the schedule that runs this rank's stages
         if self.pp_group is not None:
@@ -204,14 +208,8 @@ class Trainer:
             log.info("initialised from %s with load_mode %s: took %s; fresh: %s; first step %d", source, mode,
                      ", ".join(p for p in order if p in parts),
                      ", ".join(p for p in order if p not in parts) or "nothing", self.step + 1)
-            if self.step >= total and "step" in parts:
-                raise ValueError(f"checkpoint.init_from {source} is at step {self.step}, and training.steps = "
-                                 f"{total}: nothing to train")
         else:
             self._take_trainer_state({}, frozenset())
-        if self.step >= total:
-            raise ValueError(f"checkpoint.step_offset = {c.step_offset} leaves nothing to train (training.steps = "
-                             f"{total})")
 
     def _take_trainer_state(self, state: dict, parts: frozenset[str]) -> None:
         """Step (and tokens seen), data position and schedule start from a checkpoint's trainer state where
@@ -239,7 +237,7 @@ class Trainer:
                 lr_mult = self._set_lr(run.total)
                 loss, grad_norm = self._optimizer_step(batches, stats, run.profiler)
                 self._finish_step(run, batches)
-                if self.step % self.cfg.logging.interval == 0 or self.step in (1, run.total):
+                if self.step % self.cfg.logging.interval == 0 or self.step in (run.first_step, run.total):
                     run.loss_value = self._log(run, loss, grad_norm, lr_mult)
                 self._evaluate_if_due(run)
                 if self._checkpoint_due():  # the last step's save is written before the run ends
@@ -271,6 +269,9 @@ class Trainer:
         cfg, total = self.cfg, self.cfg.training.steps
         if self.rank == 0:
             clear_markers_of_earlier_runs(self.job_dir, self.step, total)
+        clamped = warmup_clamped(cfg.schedule, total - self.schedule_start)
+        if clamped:
+            log.warning(clamped)
         profiler = Profiler(cfg.profiling, self.job_dir, self.rank, self.device)
         progress = progress_bar("train", total=total, initial=self.step, unit="step",
                                 disable=True if self.rank != 0 else None)
@@ -280,7 +281,7 @@ class Trainer:
         run = _Run(total, writer, profiler, progress, StopRequests(self.job_dir, self.rank),
                    MetricsWindow(self.device), long_timeout=self.world_size > 1,
                    flops_per_token=model_flops_per_token(self.whole_model, cfg.data.seq_len),
-                   peak_flops=device_peak_flops(self.device))
+                   peak_flops=device_peak_flops(self.device), first_step=1 if self._resuming else self.step + 1)
         self.model.train()
         gc_interval = cfg.training.gc_interval
         if gc_interval:  # collected every gc_interval steps on all ranks at once, not whenever a rank's count says
@@ -389,7 +390,7 @@ class Trainer:
             if run.writer is not None:
                 run.writer.write_eval({"step": self.step, **validation})
         if run.long_timeout and (run.evaluated or not cfg.logging.eval_interval):
-            set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.mesh, device=self.device)
+            set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.process_groups(), device=self.device)
             run.long_timeout = False
 
     def _stopped_on_request(self, run: _Run) -> bool:
@@ -401,6 +402,8 @@ class Trainer:
         self._record_saves(run, wait=True)  # this step's own save may be in flight: it counts once it is complete
         if run.last_checkpoint is None or run.last_checkpoint.name != f"step-{self.step}":
             self._save_checkpoint(run, background=False)
+        if run.writer is not None:  # what `maester status` counts as a requeue or a stopped link
+            run.writer.write_event(stop_event(self.step, run.stop_reason, run.last_checkpoint))
         run.stops.acknowledge(self.step, run.stop_reason, run.last_checkpoint)
         log.info("stopped on request (%s) after step %d of %d with checkpoint %s; wrote %s", run.stop_reason,
                  self.step, run.total, run.last_checkpoint, self.job_dir / REQUEUE_FILE)
@@ -556,6 +559,30 @@ class Trainer:
         if c.interval and self.step % c.interval == 0:
             return True
         return c.save_final and self.step == self.cfg.training.steps
+
+
+def stop_event(step: int, reason: str, checkpoint: Path) -> dict:
+    """The metrics.jsonl event of a stop on request, with the SLURM job and its restart count where there is one."""
+    slurm = {"slurm_job_id": os.environ["SLURM_JOB_ID"],
+             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)} \
+        if os.environ.get("SLURM_JOB_ID") else {}
+    return {"event": "stop", "step": step, "reason": reason, "checkpoint": checkpoint.name,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **slurm}
+
+
+def check_steps_left(cfg: Config) -> None:
+    """A run that takes its step from `checkpoint.init_from` must have steps left before `training.steps`, the number
+    of its last step; checked from the checkpoint's trainer_state.json, before anything is loaded. (A
+    `checkpoint.step_offset` past the end is refused with the config.)"""
+    c, total = cfg.checkpoint, cfg.training.steps
+    if not c.init_from or c.init_from_hf is not None or "step" not in LOAD_MODES[c.load_mode]:
+        return
+    source = resolve_checkpoint(c.init_from)
+    step = read_trainer_state(source)["step"]
+    if step >= total:
+        raise ValueError(f"checkpoint.init_from {source} is at step {step} and checkpoint.load_mode = {c.load_mode!r} "
+                         f"continues from it, but training.steps = {total}: training.steps is the number of the last "
+                         f"step, not a count; to train {total} more steps, set training.steps = {step + total}")
 
 
 def check_stable_phase(source: Path, cfg: Config) -> None:

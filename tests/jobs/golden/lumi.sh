@@ -28,11 +28,14 @@ export FI_CXI_DISABLE_CQ_HUGETLB=1
 # DataLoader workers fork after RCCL/libfabric set up: keep the CXI provider's memory registrations fork-safe.
 export CXI_FORK_SAFE=1
 export CXI_FORK_SAFE_HP=1
-# MIOpen caches on the node's local disk, not the shared filesystem; MIOpen does not create the directory.
+# MIOpen caches on each node's local disk, not the shared filesystem; MIOpen does not create the directory, so
+# every node makes it, in the container that uses it.
 export MIOPEN_USER_DB_PATH="/tmp/${USER}-miopen-${SLURM_JOB_ID}"
 export MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
-mkdir -p "$MIOPEN_USER_DB_PATH"
 export OMP_NUM_THREADS=7
+# On whole nodes torchrun binds each rank to the CPU cores next to its GCD (--numa-binding), through numactl,
+# which the container image must have (LUMI's AI containers do): checked on every node before training starts.
+srun --ntasks-per-node=1 singularity exec --bind=/scratch/project_465000001/maester --bind=/scratch/project_465000001/maester/jobs/llama-8b --bind=/scratch/project_465000001 --bind=/flash/project_465000001 /appl/local/containers/rocm-pytorch.sif bash -c 'mkdir -p "$MIOPEN_USER_DB_PATH" && { command -v numactl >/dev/null || { echo "numactl is not in the container image on $(hostname): torchrun --numa-binding needs it" >&2; exit 2; }; }' || exit 2
 
 set -uo pipefail
 JOB_DIR=/scratch/project_465000001/maester/jobs/llama-8b

@@ -72,6 +72,16 @@ class ChatEncoder:
         tokens that follow a probe answer; for `markers`, the assistant marker)."""
         return self._format.stop_ids()
 
+    @property
+    def user_role(self) -> str:
+        """The role that asks: `user`, or for markers without a user marker, the first other role."""
+        return self._format.user_role
+
+    def chat_template(self) -> str:
+        """A Jinja `chat_template` that renders conversations as this encoder does, for exported tokenizer files:
+        `apply_chat_template` with them gives `encode`'s and `prompt`'s ids."""
+        return self._format.chat_template()
+
     def encode_text(self, text: str) -> Encoded:
         """Marker text (`<<<|user|>>>...<<<|user|>>><<<|assistant|>>>...<<<|assistant|>>>`): marker ids, the text
         between them encoded as plain text, EOS at the end."""

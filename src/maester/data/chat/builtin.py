@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maester.config import SFTConfig
-from maester.data.chat.format import RenderedTemplate, special_text, tokenizer_name
+from maester.data.chat.format import (RenderedTemplate, jinja_string, special_text, tokenizer_name,
+                                      with_system_prompt_jinja)
 from maester.data.records import INVALID_MESSAGES, InvalidRecord
 
 
@@ -76,6 +77,49 @@ class BuiltinTemplate(RenderedTemplate):
 
     def stop_ids(self) -> set[int]:
         return {self.special_ids[self.layout.end_of_turn], self.tokenizer.eos_id}
+
+    def chat_template(self) -> str:
+        """The layout as Jinja: the same checks of roles (and, for Gemma, of the system message), the same text."""
+        layout, assistant, q = self.layout, self.assistant, jinja_string
+        roles = sorted(self._roles)
+        before, after = layout.header.split("{role}")
+        role_in_header = "message['role']" if layout.assistant_name is None else \
+            f"({q(layout.assistant_name)} if message['role'] == {q(assistant)} else message['role'])"
+        out = [with_system_prompt_jinja(self.sft.system_prompt),
+               "{%- for message in conversation -%}\n",
+               f"{{%- if message['role'] not in [{', '.join(map(q, roles))}] -%}}\n",
+               f"{{{{- raise_exception('message ' ~ loop.index0 ~ ': role ' ~ message['role'] ~ "
+               f"{q(' is not one of ' + ', '.join(roles) + f' (data.sft.template = {self.template!r})')}) -}}}}\n",
+               "{%- endif -%}\n{%- endfor -%}\n"]
+        if layout.system_in_first_user_turn:
+            where = f" (data.sft.template = {self.template!r})"
+            out += ["{%- for message in conversation[1:] -%}\n",
+                    "{%- if message['role'] == 'system' -%}\n",
+                    f"{{{{- raise_exception('message ' ~ loop.index ~ "
+                    f"{q(': a system message may only come first' + where)}) -}}}}\n",
+                    "{%- endif -%}\n{%- endfor -%}\n",
+                    "{%- if conversation and conversation[0]['role'] == 'system' -%}\n",
+                    "{%- if conversation | length < 2 or conversation[1]['role'] != 'user' -%}\n",
+                    f"{{{{- raise_exception({q('message 1: the system message must be followed by a user message' + where)}) -}}}}\n",
+                    "{%- endif -%}\n",
+                    "{%- set conversation = [{'role': 'user', 'content': conversation[0]['content'] + "
+                    f"{q(chr(10) * 2)} + conversation[1]['content']}}] + conversation[2:] -%}}\n",
+                    "{%- endif -%}\n"]
+        start = layout.start.format(bos="{bos}")
+        if start:
+            out.append("{{- bos_token -}}\n" if start == "{bos}" else f"{{{{- {q(start)} -}}}}\n")
+        out += ["{%- for message in conversation -%}\n",
+                f"{{{{- {q(before)} + {role_in_header} + {q(after)} -}}}}\n",
+                f"{{%- if message['role'] == {q(assistant)} -%}}\n",
+                f"{{%- generation -%}}{{{{- message['content'] + {q(layout.end_of_turn)} -}}}}{{%- endgeneration -%}}\n",
+                "{%- else -%}\n",
+                f"{{{{- message['content'] + {q(layout.end_of_turn)} -}}}}\n",
+                "{%- endif -%}\n"]
+        if layout.separator:
+            out.append(f"{{{{- {q(layout.separator)} -}}}}\n")
+        out += ["{%- endfor -%}\n",
+                f"{{%- if add_generation_prompt -%}}{{{{- {q(self._header(assistant))} -}}}}{{%- endif -%}}\n"]
+        return "".join(out)
 
     def _header(self, role: str) -> str:
         if role == self.assistant and self.layout.assistant_name is not None:

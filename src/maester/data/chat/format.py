@@ -42,6 +42,7 @@ class ChatFormat:
         self.sft = sft
         self.template = sft.template
         self.assistant = sft.assistant_role
+        self.user_role = "user"
         self.text_encoder = tokenizer  # what encodes the text between special tokens
 
     def render(self, messages: list[dict]) -> str:
@@ -62,6 +63,12 @@ class ChatFormat:
 
     def encode_text(self, text: str) -> Encoded:
         raise ValueError(f"encode_text reads marker text, but data.sft.template = {self.template!r}")
+
+    def chat_template(self) -> str:
+        """A Jinja `chat_template` for Hugging Face tokenizer files that renders conversations as this format
+        encodes them (its system prompt included): `apply_chat_template` with the exported tokenizer gives these
+        ids, `{% generation %}` marks what `assistant_only` trains, and maester reads it back as `jinja`."""
+        raise NotImplementedError
 
     def conversation_of(self, record: dict, where: str, text_key: str) -> list[dict] | str:
         """What `encode_conversation` reads in a record: its `data.sft.messages_key` messages."""
@@ -178,6 +185,36 @@ class RenderedTemplate(ChatFormat):
             else:
                 continue
             flags.append(flag)
+
+
+def jinja_string(text: str) -> str:
+    """`text` as a Jinja string literal: printable ASCII as it is, but quotes, backslashes, braces, `%` and `#`
+    escaped (none of them can end the literal or the tag around it), newlines and tabs as `\\n` and `\\t`, any other
+    character as its code."""
+    named = {"\n": "\\n", "\t": "\\t"}
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in named:
+            out.append(named[ch])
+        elif 0x20 <= code < 0x7F and ch not in "\"\\{}%#":
+            out.append(ch)
+        else:
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else
+                       f"\\U{code:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def with_system_prompt_jinja(system_prompt: str | None) -> str:
+    """Jinja that sets `conversation` to the messages, with `system_prompt` first when none is a system message (as
+    `ChatFormat.with_system_prompt` does)."""
+    if system_prompt is None:
+        return "{%- set conversation = messages -%}\n"
+    return ("{%- if messages | selectattr('role', 'equalto', 'system') | list -%}\n"
+            "{%- set conversation = messages -%}\n"
+            "{%- else -%}\n"
+            f"{{%- set conversation = [{{'role': 'system', 'content': {jinja_string(system_prompt)}}}] + messages -%}}\n"
+            "{%- endif -%}\n")
 
 
 def base_tokenizer(tokenizer):

@@ -55,6 +55,9 @@ class JinjaTemplate(RenderedTemplate):
             self._variables[name] = text
         self.find_special_ids(list(self._variables.values()))
         self._stop_ids: set[int] | None = None
+        self._source = source
+        self._eos_text = self._variables.get("eos_token") or (special_text(tokenizer, tokenizer.eos_id)
+                                                              if tokenizer.eos_id is not None else None)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
@@ -65,14 +68,16 @@ class JinjaTemplate(RenderedTemplate):
 
     def spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The text, and each assistant turn's span: the render of the turns up to it, less the render of those
-        before it with the generation prompt, less trailing whitespace."""
+        before it with the generation prompt, less trailing whitespace. A template may end the whole conversation
+        with EOS (as GPT-NeoX's marker format does): a turn's render that ends in EOS where the whole conversation
+        goes on is taken without it."""
         full = self.render(messages)
         spans: list[tuple[int, int]] = []
         for i, message in enumerate(messages):
             if message["role"] != self.assistant:
                 continue
             before = self.render(messages[:i], True)
-            upto = full if i == len(messages) - 1 else self.render(messages[:i + 1])
+            upto = full if i == len(messages) - 1 else self._without_closing_eos(self.render(messages[:i + 1]), full)
             for shorter, longer, what in ((before, upto, f"{i} messages with the generation prompt"),
                                           (upto, full, f"{i + 1} messages")):
                 if not longer.startswith(shorter):
@@ -89,8 +94,17 @@ class JinjaTemplate(RenderedTemplate):
             spans.append((start, end))
         return full, spans
 
+    def _without_closing_eos(self, upto: str, full: str) -> str:
+        eos = self._eos_text
+        if eos and upto.endswith(eos) and not full.startswith(upto) and full.startswith(upto[:-len(eos)]):
+            return upto[:-len(eos)]
+        return upto
+
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.text_ids(self.render(messages, True))
+
+    def chat_template(self) -> str:
+        return self._source
 
     def stop_ids(self) -> set[int]:
         """EOS and the template's end of turn: the special tokens after the answer of a probe conversation (those

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from maester.config import SFTConfig
-from maester.data.chat.format import ChatFormat, Encoded
+from maester.data.chat.format import ChatFormat, Encoded, jinja_string, with_system_prompt_jinja
 from maester.data.records import INVALID_MESSAGES, InvalidRecord, text_of
 from maester.data.tokenizers import ControlTokens
 
@@ -29,6 +29,8 @@ class MarkerFormat(ChatFormat):
         self._marker_ids = tokenizer.marker_ids
         self._marker_role = {m: _marker_name(m) for m in self._marker_ids}
         self._role_marker = {role: m for m, role in self._marker_role.items()}
+        if "user" not in self._role_marker:
+            self.user_role = next((r for r in self._role_marker if r not in (self.assistant, "system")), "user")
         if sft.system_prompt is not None and "system" not in self._role_marker:
             raise ValueError("data.sft.system_prompt needs a system marker (<<<|system|>>>) in "
                              "tokenizer.control_tokens")
@@ -55,6 +57,33 @@ class MarkerFormat(ChatFormat):
 
     def encode_text(self, text: str) -> Encoded:
         return self._encode_turns(self._parse_markers(text))
+
+    def chat_template(self) -> str:
+        """Each turn between two copies of its role's special token (the token a marker stands for, not the marker
+        text), then EOS; with the generation prompt, the assistant's token instead of EOS. The assistant's content,
+        closing token and (last) EOS are its `{% generation %}`."""
+        q, assistant = jinja_string, self.assistant
+        tokens = {role: self.tokenizer.mapping[marker] for marker, role in self._marker_role.items()}
+        table = ", ".join(f"{q(role)}: {q(token)}" for role, token in tokens.items())
+        return "".join([
+            with_system_prompt_jinja(self.sft.system_prompt),
+            f"{{%- set tokens = {{{table}}} -%}}\n",
+            "{%- for message in conversation -%}\n",
+            "{%- if message['role'] not in tokens -%}\n",
+            f"{{{{- raise_exception('message ' ~ loop.index0 ~ ': role ' ~ message['role'] ~ "
+            f"{q(' has no marker in tokenizer.control_tokens (roles: ' + ', '.join(tokens) + ')')}) -}}}}\n",
+            "{%- endif -%}\n",
+            "{%- set token = tokens[message['role']] -%}\n",
+            f"{{%- if message['role'] == {q(assistant)} -%}}\n",
+            "{{- token -}}{%- generation -%}{{- message['content'] + token -}}\n",
+            "{%- if loop.last and not add_generation_prompt -%}{{- eos_token -}}{%- endif -%}{%- endgeneration -%}\n",
+            "{%- else -%}\n",
+            "{{- token + message['content'] + token -}}\n",
+            "{%- endif -%}\n",
+            "{%- endfor -%}\n",
+            f"{{%- if add_generation_prompt -%}}{{{{- tokens[{q(assistant)}] -}}}}\n",
+            f"{{%- elif not conversation or conversation[-1]['role'] != {q(assistant)} -%}}{{{{- eos_token -}}}}\n",
+            "{%- endif -%}\n"])
 
     def conversation_of(self, record: dict, where: str, text_key: str) -> str:
         """The record's marker text: its `text_key` field."""
