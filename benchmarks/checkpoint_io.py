@@ -6,10 +6,11 @@ async, and how close saving and loading come to the disk's own bandwidth, measur
     uv run python benchmarks/checkpoint_io.py --smoke          # the tiny model (run by the tests)
 
 One process saves through maester's own Checkpointer (DCP files, RNG, trainer state, manifest with CRC-32s,
-rename, `latest`, retention) `--saves` times per mode. Between saves the loop changes every parameter and moment in
-place (as an optimizer step does), then waits for the background write; each save's blocked time includes any wait
-for the one before. Raw figures for the same byte count, in the same directory: a write in 64 MiB blocks followed
-by fsync (as `dd conv=fsync`), and a read of the checkpoint's own files. Both reads, raw and the load at resume,
+rename, `latest`, retention) in `--saves` rounds, each of a synchronous save, a raw write of as many bytes in the
+same directory (64 MiB blocks, then fsync, as `dd conv=fsync`) and an asynchronous save: on a shared machine the
+disk's speed drifts, so each ratio compares measurements taken moments apart. After each save the loop changes every
+parameter and moment in place (as an optimizer step does), then waits for the background write. The raw read reads
+the checkpoint's own files. Both reads, raw and the load at resume,
 start from a cold page cache (posix_fadvise DONTNEED on every file, which drops their clean pages).
 """
 
@@ -120,27 +121,19 @@ def checkpoint_files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file())
 
 
-def saves(root: Path, mode: str, model, optimizer, count: int, profile: cProfile.Profile) -> list:
-    """`count` saves of `mode` (off: written while the loop waits; async: in the background) and their results; a
-    synchronous save's first one is profiled."""
-    checkpointer = Checkpointer(root / mode, CheckpointConfig(keep_last=1), async_mode=mode)
-    results = []
-    for step in range(1, count + 1):
-        if mode == "off" and step == 1:
-            profile.enable()
-        checkpointer.save(step, model, optimizer, {"tokens_seen": step}, "{}", background=True)
+def save_once(checkpointer: Checkpointer, step: int, model, optimizer, profile: cProfile.Profile | None = None):
+    """One save (async_mode off: written while the loop waits; async: staged, then written in the background while
+    the loop changes the state) and how it went; `profile` records the loop's part."""
+    if profile is not None:
+        profile.enable()
+    checkpointer.save(step, model, optimizer, {"tokens_seen": step}, "{}", background=True)
+    if profile is not None:
         profile.disable()
-        change_in_place(model, optimizer)  # training goes on
-        while checkpointer.async_mode != "off" and not checkpointer.finished:
-            time.sleep(0.05)
-            checkpointer.poll()
-        results += checkpointer.finished
-        checkpointer.finished.clear()
-    checkpointer.close()
-    failed = [r.error for r in results if r.error]
-    if failed:
-        raise SystemExit(f"a save failed: {failed[0]}")
-    return results
+    change_in_place(model, optimizer)  # training goes on
+    (result,) = checkpointer.collect(wait=True)
+    if result.error:
+        raise SystemExit(f"a save failed: {result.error}")
+    return result
 
 
 def gb(nbytes: float) -> str:
@@ -149,9 +142,9 @@ def gb(nbytes: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="the tiny model, one save per mode")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, one round")
     parser.add_argument("--dir", default=".", help="where to write (a temporary directory is made inside)")
-    parser.add_argument("--saves", type=int, default=2, help="saves per mode")
+    parser.add_argument("--saves", type=int, default=3, help="rounds (a save per mode in each)")
     args = parser.parse_args()
     count = 1 if args.smoke else args.saves
     torch.manual_seed(0)
@@ -161,11 +154,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="checkpoint-io-") as tmp:
         root = Path(tmp)
         save_profile, load_profile = cProfile.Profile(), cProfile.Profile()
-        results = {mode: saves(root, mode, model, optimizer, count, save_profile) for mode in ("off", "async")}
-        latest = root / "async" / "checkpoints" / "latest"
-        files = checkpoint_files(latest.resolve())
-        nbytes = sum(p.stat().st_size for p in files)
-        write_seconds = raw_write(root, nbytes)
+        sync = Checkpointer(root / "off", CheckpointConfig(keep_last=1), async_mode="off")
+        background = Checkpointer(root / "async", CheckpointConfig(keep_last=1), async_mode="async")
+        off, background_saves, write_seconds = [], [], []
+        for step in range(1, count + 1):  # rounds: a sync save, a raw write of its bytes, an async save
+            off.append(save_once(sync, step, model, optimizer, save_profile if step == 1 else None))
+            files = checkpoint_files(root / "off" / "checkpoints" / f"step-{step}")
+            nbytes = sum(p.stat().st_size for p in files)
+            write_seconds.append(raw_write(root, nbytes))
+            background_saves.append(save_once(background, step, model, optimizer))
+        sync.close()
+        background.close()
+        files = checkpoint_files((root / "async" / "checkpoints" / "latest").resolve())
         read_seconds = raw_read(files)
 
         del model, optimizer
@@ -180,45 +180,49 @@ def main() -> None:
         load_profile.disable()
         load_seconds = time.perf_counter() - start
 
-    off, background = results["off"], results["async"]
-    sync_blocked = statistics.mean(r.blocked_seconds for r in off)
-    async_blocked = statistics.mean(r.blocked_seconds for r in background)
-    sync_write = statistics.mean(r.write_seconds for r in off)
-    async_write = statistics.mean(r.write_seconds for r in background)
-    phases = {k: statistics.mean(r.phases[k] for r in off) for k in off[0].phases}
-    raw_write_bw, raw_read_bw = nbytes / write_seconds, nbytes / read_seconds
+    median = statistics.median
+    sync_blocked = [r.blocked_seconds for r in off]
+    async_blocked = [r.blocked_seconds for r in background_saves]
+    steady = async_blocked[1:] or async_blocked  # the first async save also makes its host buffers
+    sync_vs_raw = [w / r.blocked_seconds for w, r in zip(write_seconds, off)]  # bandwidth ratios, per round
+    async_vs_raw = [w / r.write_seconds for w, r in zip(write_seconds, background_saves)]
+    blocked_ratio = median(steady) / median(sync_blocked)
+    phases = {k: median(r.phases[k] for r in off) for k in off[0].phases}
+    raw_write_bw, raw_read_bw = nbytes / median(write_seconds), nbytes / read_seconds
 
     print(f"{'tiny Llama' if args.smoke else 'Llama'}, {n_params / 1e6:.1f}M parameters, AdamW; checkpoint of "
-          f"{gb(nbytes)} in {len(files)} files; {count} save(s) per mode; torch {torch.__version__}, "
+          f"{gb(nbytes)} in {len(files)} files; {count} round(s) of: a sync save, a raw write of its bytes, an "
+          f"async save (medians; vs raw: the median of each round's ratio); torch {torch.__version__}, "
           f"{os.cpu_count()} CPU(s)")
     print()
     print("| what | seconds | GB/s | vs raw |")
     print("|---|---|---|---|")
-    print(f"| raw write, 64 MiB blocks + fsync | {write_seconds:.3f} | {raw_write_bw / 1e9:.3f} | 1.00 |")
-    for name, seconds in (("save, off: loop blocked (= the whole save)", sync_blocked),
-                          ("save, async: background write", async_write)):
-        print(f"| {name} | {seconds:.3f} | {nbytes / seconds / 1e9:.3f} | {nbytes / seconds / raw_write_bw:.2f} |")
+    print(f"| raw write, 64 MiB blocks + fsync | {median(write_seconds):.3f} | {raw_write_bw / 1e9:.3f} | 1.00 |")
+    for name, seconds, ratio in (
+            ("save, off: loop blocked (= the whole save)", median(sync_blocked), median(sync_vs_raw)),
+            ("save, async: background write", median(r.write_seconds for r in background_saves),
+             median(async_vs_raw))):
+        print(f"| {name} | {seconds:.3f} | {nbytes / seconds / 1e9:.3f} | {ratio:.2f} |")
     print(f"| raw read, cold cache | {read_seconds:.3f} | {raw_read_bw / 1e9:.3f} | 1.00 |")
     print(f"| load at resume (manifest check + DCP load), cold cache | {load_seconds:.3f} | "
-          f"{nbytes / load_seconds / 1e9:.3f} | {nbytes / load_seconds / raw_read_bw:.2f} |")
+          f"{nbytes / load_seconds / 1e9:.3f} | {read_seconds / load_seconds:.2f} |")
     print()
-    print(f"loop blocked per save: off {sync_blocked:.2f} s, async {async_blocked:.2f} s "
-          f"({100 * async_blocked / sync_blocked:.1f}% of off)")
+    print(f"loop blocked per save: off {median(sync_blocked):.2f} s; async {median(steady):.2f} s "
+          f"({100 * blocked_ratio:.1f}% of off), its first save {async_blocked[0]:.2f} s (its host buffers made)")
     save_parts, load_parts = seconds_in(save_profile, SAVE_PARTS), seconds_in(load_profile, LOAD_PARTS)
     print("where a synchronous save's time goes: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
-          + f" (write {sync_write:.2f} s of {sync_blocked:.2f} s blocked); the first save profiled: "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in save_parts.items())
+          + "; the first save profiled: " + ", ".join(f"{k} {v:.2f} s" for k, v in save_parts.items())
           + " (torch.save includes its file writes, not the fsync)")
     print(f"where the load's time goes (profiled, {load_seconds:.2f} s): "
           + ", ".join(f"{k} {v:.2f} s" for k, v in load_parts.items())
           + " (torch.load includes its file reads)")
     print("JSON " + json.dumps({
         "parameters": n_params, "bytes": nbytes, "raw_write_seconds": write_seconds,
-        "raw_read_seconds": read_seconds, "sync_blocked_seconds": [r.blocked_seconds for r in off],
-        "async_blocked_seconds": [r.blocked_seconds for r in background],
-        "async_write_seconds": [r.write_seconds for r in background], "sync_phases": phases,
-        "sync_profile": save_parts, "load_seconds": load_seconds, "load_profile": load_parts,
-        "blocked_ratio": async_blocked / sync_blocked}))
+        "raw_read_seconds": read_seconds, "sync_blocked_seconds": sync_blocked,
+        "async_blocked_seconds": async_blocked, "async_write_seconds": [r.write_seconds for r in background_saves],
+        "sync_vs_raw_write": sync_vs_raw, "async_vs_raw_write": async_vs_raw, "sync_phases": phases,
+        "sync_profile": save_parts, "load_seconds": load_seconds, "load_vs_raw_read": read_seconds / load_seconds,
+        "load_profile": load_parts, "blocked_ratio": blocked_ratio}))
     sys.stdout.flush()
 
 

@@ -146,13 +146,13 @@ def resolve_async_mode(setting: str, device_type: str) -> str:
     return setting
 
 
-def background_group(timeout_s: float):
+def background_group(async_mode: str, timeout_s: float):
     """A gloo group of all ranks for the collectives of background writes, apart from the training's, so that the
     loop and the writing thread never share a group (torchtitan's CheckpointManager and OLMo-core's checkpointer
-    make one too); None in one process. A collective call: every rank makes it."""
+    make one too); None in one process or with `async_mode` off. A collective call: every rank makes it."""
     import torch.distributed as dist
 
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if async_mode == "off" or not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
     from datetime import timedelta
 
@@ -172,7 +172,7 @@ class Checkpointer:
         """The saves that ended, complete or failed, since the caller last emptied the list."""
         self._in_flight: tuple[SaveResult, Future] | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._stager = None  # pinned: DCP's stager, which keeps its page-locked buffers from save to save
+        self._stager = None  # DCP's stager, which keeps its buffers from save to save
 
     def poll(self) -> None:
         """Collect the background save into `finished` if it has ended; never waits."""
@@ -185,6 +185,12 @@ class Checkpointer:
             if not self._in_flight[1].done():
                 log.info("waiting for the background write of %s", self._in_flight[0].path.name)
             self._collect()
+
+    def collect(self, wait: bool = False) -> list[SaveResult]:
+        """The saves that ended (`poll`; `wait`: the one in flight too), taken out of `finished`."""
+        self.wait() if wait else self.poll()
+        done, self.finished = self.finished, []
+        return done
 
     def close(self) -> None:
         """Wait for the background save, then release the thread and the staging buffers."""
@@ -346,22 +352,17 @@ class Checkpointer:
         return files
 
     def _stage(self, state: dict) -> dict:
-        """A copy of `state` in host memory that training can no longer change (DCP's DefaultStager): new buffers
-        for each save with `async`; with `pinned`, page-locked buffers made at the first save and refilled at each
-        later one (non-blocking copies from the GPU, then one synchronize)."""
+        """A copy of `state` in host memory that training can no longer change (DCP's DefaultStager), in buffers
+        made at the first save and refilled at each later one (a save waits for the previous write first): a fresh
+        buffer costs a page fault per page, several times the copy (benchmarks/checkpoint_io.py). `pinned`:
+        page-locked buffers, filled by non-blocking copies from the GPU, then one synchronize."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        if self.async_mode == "pinned":
-            if self._stager is None:
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=True))
-            return self._stager.stage(state)
-        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                              use_async_staging=False, use_non_blocking_copy=False))
-        try:
-            return stager.stage(state)
-        finally:
-            stager.close()
+        if self._stager is None:
+            pinned = self.async_mode == "pinned"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=pinned))
+        return self._stager.stage(state)
 
     def _write(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
         """Write `state` and `files` as `step-<N>.tmp`, rename it `step-<N>` and move `latest` (every rank; in the

@@ -26,13 +26,7 @@ from maester.parallel.dims import ParallelDims, init_distributed, set_collective
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
-from maester.train.checkpoint import (
-    Checkpointer,
-    SaveResult,
-    background_group,
-    resolve_async_mode,
-    resolve_checkpoint,
-)
+from maester.train.checkpoint import Checkpointer, SaveResult, background_group, resolve_async_mode, resolve_checkpoint
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
@@ -120,8 +114,7 @@ class Trainer:
         self.scaler = None  # fp16: made with the parameters, on their device
         async_mode = resolve_async_mode(cfg.checkpoint.async_mode, self.device.type)
         self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank, async_mode,
-                                         background_group(cfg.training.init_timeout_seconds)
-                                         if async_mode != "off" else None)
+                                         background_group(async_mode, cfg.training.init_timeout_seconds))
         self._latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
         # A resume overwrites every weight and restores the RNG: the random init would be work thrown away.
         self._resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
@@ -249,8 +242,7 @@ class Trainer:
             run.stops.drain()
             self._record_saves(run, wait=True)
             if run.failed_save is not None:
-                raise ValueError(f"training ended at step {self.step}, but its last checkpoint could not be written: "
-                                 f"{run.failed_save.error}")
+                raise ValueError(f"ended at step {self.step} without its last checkpoint: {run.failed_save.error}")
         if run.stop_reason is None and self.rank == 0:
             mark_completed(self.job_dir, self.step, run.last_checkpoint or self.checkpointer.latest())
         return TrainResult(self.step, run.loss_value, run.last_checkpoint or self.checkpointer.latest(),
@@ -410,8 +402,7 @@ class Trainer:
         return True
 
     def _save_checkpoint(self, run: _Run, background: bool) -> None:
-        """Save this step: written before returning, or (`background`, with checkpoint.async_mode async or pinned)
-        staged and written by a thread while training goes on."""
+        """Save this step; `background` (checkpoint.async_mode async or pinned): staged, then written by a thread."""
         self.nonfinite.check()  # a run that went non-finite under `stop` raises here, before the damage is saved
         path = self.checkpointer.save(
             self.step, self.model, self.optimizer,
@@ -419,28 +410,20 @@ class Trainer:
              "schedule_start": self.schedule_start, **self.provenance,
              **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, self.cfg.to_json(),
             background=background)
-        if background and self.checkpointer.async_mode != "off":
-            log.info("staged checkpoint %s; writing it in the background", path)
-        else:
-            log.info("saved checkpoint %s", path)
+        log.info("staged checkpoint %s; writing it in the background" if background and
+                 self.checkpointer.async_mode != "off" else "saved checkpoint %s", path)
         self._record_saves(run)
 
     def _record_saves(self, run: _Run, wait: bool = False) -> None:
-        """The saves that ended since the last call (`wait`: after the one in flight has ended): the newest complete
-        one becomes `run.last_checkpoint`, a failed one `run.failed_save` until a later one succeeds; rank 0 writes
-        an event line for each into metrics.jsonl (`checkpoint_blocked_seconds`, `checkpoint_write_seconds`)."""
-        if wait:
-            self.checkpointer.wait()
-        else:
-            self.checkpointer.poll()
-        for result in self.checkpointer.finished:
+        """The saves that ended (`wait`: the one in flight too): the newest complete is `run.last_checkpoint`, a failed
+        one `run.failed_save` until a later one succeeds; rank 0 writes each one's event line into metrics.jsonl."""
+        for result in self.checkpointer.collect(wait):
             if result.error is None:
                 run.last_checkpoint, run.failed_save = result.path, None
             else:
                 run.failed_save = result
             if run.writer is not None:
                 run.writer.write_event(result.event(), sink_step=self.step)
-        self.checkpointer.finished.clear()
 
     def _forward_backward(self, micro_batches, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step
