@@ -196,11 +196,13 @@ def test_a_walltime_stop_with_a_background_write_in_flight_saves_before_the_requ
     The trainer waits for the write in flight, then saves its own step, and only then asks for the requeue; the
     requeued job resumes from that checkpoint and ends with the uninterrupted losses."""
     import subprocess
+    from concurrent.futures import ThreadPoolExecutor
 
     from tests.helpers import clean_env
 
     steps = 10
-    expected = reference(corpus_here, steps)
+    pool = ThreadPoolExecutor(1)  # the uninterrupted run, beside the SLURM job
+    expected = pool.submit(reference, corpus_here, steps)
     go_on = corpus_here / "go-on"
     env = clean_env(_MAESTER_FAULT="slow_write:4", _MAESTER_FAULT_ONCE=str(corpus_here / "stalled-once"),
                     _MAESTER_HANG_UNTIL=str(go_on), _MAESTER_HANG_SECONDS="300")
@@ -221,7 +223,8 @@ def test_a_walltime_stop_with_a_background_write_in_flight_saves_before_the_requ
     go_on.touch()
     assert wait_for_job(record["job_id"], TIMEOUT, restarts=1) == "COMPLETED"
     got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
-    assert [got[s] for s in range(1, steps + 1)] == expected
+    assert [got[s] for s in range(1, steps + 1)] == expected.result(timeout=TIMEOUT)
+    pool.shutdown()
     text = log.read_text()
     stop = text.index("stopped on request (stop-requested) after step ")
     stopped_at = int(text[stop:].split("after step ")[1].split()[0])
