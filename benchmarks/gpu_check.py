@@ -34,7 +34,9 @@ WHEELS_LIMIT_MB = 60
 
 # What the check's code paths import beyond torch and torch's own requirements (pyproject's bounds), and pytest for
 # the CUDA tests; their own requirements come with them. pyarrow (55 MB) is left out: the stages read JSONL.
-CHECK_REQUIREMENTS = ["pydantic>=2.7,<3", "numpy>=1.26", "zstandard>=0.22", "pyyaml>=6", "tqdm>=4.66", "pytest>=8"]
+# torchao (3 MB) serves the float8 stage.
+CHECK_REQUIREMENTS = ["pydantic>=2.7,<3", "numpy>=1.26", "zstandard>=0.22", "pyyaml>=6", "tqdm>=4.66", "pytest>=8",
+                      "torchao>=0.16"]
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Stage:
     timeout: float = 300
     gpus: int = 1
     expect: dict = field(default_factory=dict)
+    harness: str = HARNESS  # "train": the script that runs it and prints the RESULT line
+    on_request: bool = False  # run only when --stages names it (beyond the default budget); the dry run sets it up
 
 
 def jsonl_source(name: str) -> str:
@@ -102,6 +106,13 @@ STAGES = [
           estimate=25, timeout=150),
     Stage("bf16-pure", "bf16 parameters and optimizer state", "train", [*MODES, "--training.precision=bf16-pure"],
           estimate=25, timeout=150),
+    Stage("float8-8b-width", "float8 training (torchao tensorwise, float8 FSDP all-gather, compiled blocks) on the "
+          "Llama 3 8B width (4 layers) at seq 8192: tokens/s against bf16 on the same GPU in the same command "
+          "(figures.speedup; torchtitan reports 1.25-1.5x on H100s)", "train",
+          ["configs/llama3/8b-float8.toml", *FEW, jsonl_source("pydoc"), '--model.overrides={"n_layers": 4}',
+           "--training.steps=6", "--logging.interval=6", "--training.global_batch_size=2",
+           "--checkpoint.interval=0", "--checkpoint.save_final=false"],
+          harness="benchmarks/float8_speedup.py", estimate=170, timeout=480, on_request=True),
     Stage("cuda-tests", "every test marked cuda (kernels, routing, grouped GEMM, profiler, precision) passes",
           "pytest", estimate=80, timeout=360),
     Stage("two-rank-fsdp", "NCCL between two GPUs: the demo on FSDP over 2 ranks", "torchrun",
@@ -245,7 +256,7 @@ def command_of(stage: Stage, out: Path, dry_run: bool) -> list[str]:
                 *(stage.args or cuda_test_files())]
     args = stage_args(stage, out)
     if stage.kind == "train":
-        return [py, HARNESS, *args, *(["--allow-syncs"] if stage.expect.get("allow_syncs") else [])]
+        return [py, stage.harness, *args, *(["--allow-syncs"] if stage.expect.get("allow_syncs") else [])]
     return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args[0]}", "-m", "maester",
             "train", *args[1:]]
 
@@ -446,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--platform", action="append",
                         help="--prepare: pip platform tags (default: manylinux x86_64)")
     parser.add_argument("--dry-run", action="store_true", help="each stage's setup up to its first use of a GPU")
-    parser.add_argument("--stages", help=f"comma-separated stages to run (default all: "
-                                         f"{', '.join(s.name for s in STAGES)})")
+    parser.add_argument("--stages", help=f"comma-separated stages to run (default all but those run on request, "
+                                         f"{', '.join(s.name for s in STAGES if s.on_request)}: "
+                                         f"{', '.join(s.name for s in STAGES if not s.on_request)})")
     parser.add_argument("--budget", type=float, default=450,
                         help="seconds for all stages; a stage starts only with its estimate left (default 450)")
     args = parser.parse_args(argv)
@@ -456,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare:
         return prepare(out, args.python_version, args.platform or [
             "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"])
-    chosen = STAGES
+    chosen = [s for s in STAGES if args.dry_run or not s.on_request]
     if args.stages:
         names = [n.strip() for n in args.stages.split(",") if n.strip()]
         unknown = [n for n in names if n not in {s.name for s in STAGES}]

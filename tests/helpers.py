@@ -108,6 +108,20 @@ def job_from_checkpoints(root: Path, corpus: Path, checkpoints: Path | None, nam
     return job
 
 
+def rewrite_manifest(checkpoint: Path) -> None:
+    """Make a checkpoint's manifest.json list its files' current sizes and CRC-32s, as someone who edits a
+    checkpoint can: what is tested behind it is then reached past the manifest check."""
+    import json
+
+    from maester.train.checkpoint_files import MANIFEST, describe_files
+
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    names = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*")
+                   if p.is_file() and p.name != MANIFEST)
+    manifest["files"] = describe_files(checkpoint, names)
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
 # Ops whose CUDA kernels read a device value back to the host (the GPU queue drains): bincount reads the max,
 # nonzero and masked_select the count, repeat_interleave without output_size the total.
 DEVICE_READS = {"aten.bincount.default", "aten.nonzero.default", "aten.masked_select.default",

@@ -182,6 +182,35 @@ def test_unknown_key_in_environment():
     assert "environment variable MAESTER_TRAINING__STEPZ" in message
 
 
+def test_every_maester_variable_the_docs_and_messages_name_is_a_switch_or_config():
+    """Each `MAESTER_*` variable that README.md, docs/ or a message of the package names does what it says: a
+    switch of the program (`MAESTER_NO_JOB_LOCK=1`) is never read as config; a config variable sets its key (with
+    the value the text gives it, `VAR=value`). A variable that is neither is an error naming it."""
+    import re
+
+    from maester.config_sources import SWITCHES
+
+    repo = Path(__file__).resolve().parents[1]
+    texts = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), *sorted((repo / "src").rglob("*.py"))]
+    named: dict[str, str | None] = {}
+    for path in texts:
+        for m in re.finditer(r"(?<![\w])(MAESTER_[A-Z0-9]+(?:_{1,2}[A-Z0-9]+)*)(?:=(\w+))?", path.read_text()):
+            named[m[1]] = named.get(m[1]) or m[2]
+    assert "MAESTER_NO_JOB_LOCK" in named and "MAESTER_TRAINING__STEPS" in named, sorted(named)
+    for name, value in sorted(named.items()):
+        if name in SWITCHES:
+            assert load_config(None, [], environ={name: "1"}) == load_config(None, [], environ={}), name
+        else:
+            assert "__" in name, f"{name} is named in the docs but is neither a switch nor a config variable"
+            key = name.removeprefix("MAESTER_").lower().split("__")
+            cfg = load_config(None, [], environ={name: value or "1"}).model_dump()
+            for part in key:
+                cfg = cfg[part]
+            assert str(cfg) == (value or "1"), name
+    message = _error(DEMO, environ={"MAESTER_NO_JOB_LOKC": "1"})
+    assert "MAESTER_NO_JOB_LOKC is neither a config variable" in message and "MAESTER_NO_JOB_LOCK" in message
+
+
 def test_unknown_key_on_command_line():
     message = _error(DEMO, ["--training.sead", "1"])
     assert "training.sead" in message

@@ -4,13 +4,30 @@ their own tests, listed in `FIXED_ELSEWHERE`; the README's reliability section c
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import io
 import json
+import logging
+import os
+import pickle
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from maester.data.indexed import IndexedDatasetWriter
-from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, write_corpus
+from tests.helpers import (DEMO_CONFIG, clean_env, rewrite_manifest, run_maester, seed_job, tiny_overrides,
+                           write_corpus)
 
 DEMO = str(DEMO_CONFIG)
 
@@ -142,3 +159,470 @@ def test_probe_case_holds(d, tmp_path, case):
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert expected in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     assert not (d / "PWNED_yaml").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The re-probe of 050c130: its 23 cases that fell short, each a row with the answer a user must now get. The rows run
+# the command in this process (`maester.cli.main`: the real command, without a new interpreter's start-up) unless
+# they need one of their own (a Hub endpoint read at import, a read-only mount). Every row that refuses is checked
+# to leave the files it was given as they were (logs/*.log aside: the record of the attempt).
+
+@dataclass
+class Row:
+    command: Callable[["Scratch"], list[str]]
+    """Prepares the case's files in its scratch and returns the command line."""
+    code: int
+    text: str
+    env: dict[str, str] = field(default_factory=dict)
+    own_process: bool = False
+    refusal: bool = True
+    """A non-zero `code` is a refusal, which must change no file; False: a run that failed on its way."""
+    then: Callable[["Scratch"], None] | None = None
+    """A further check on the files after the command (for the rows that do not refuse)."""
+
+
+class Scratch:
+    """A case's own directory, with copies of the module's jobs and data (`base`)."""
+
+    def __init__(self, root: Path, base: Path):
+        self.root, self.base = root, base
+        self.holders: list[subprocess.Popen] = []
+
+    def job(self, name: str = "small", new: str | None = None) -> Path:
+        target = self.root / "jobs" / (new or name)
+        shutil.copytree(self.base / "jobs" / name, target, symlinks=True)
+        return target
+
+    def hold(self, job: Path, holder: bytes = b'{"host": "node7", "pid": 4242}') -> None:
+        """Another process holds the job's lock (a running trainer), with `holder` in run.lock."""
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(job / "run.lock"), holder.decode()],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "locked"
+        self.holders.append(proc)
+
+
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.ftruncate(fd, 0)
+os.pwrite(fd, sys.argv[2].encode(), 0)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def flip_exponent_bit(checkpoint: Path) -> None:
+    """One flipped bit, same size: the high exponent bit of the float32 in the middle of the largest shard."""
+    shard = max(checkpoint.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[(len(data) // 2) // 4 * 4 + 3] ^= 0x40
+    shard.write_bytes(data)
+
+
+def craft_metadata(checkpoint: Path, other: Path) -> None:
+    """`.metadata` of DCP's own classes whose embedding storage names a file of another checkpoint."""
+    from maester.train.checkpoint_files import _MetadataUnpickler
+
+    with open(checkpoint / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    for index, info in list(metadata.storage_data.items()):
+        if index.fqn == "model.tok_embeddings.weight":
+            metadata.storage_data[index] = dataclasses.replace(
+                info, relative_path=os.path.relpath(other / "__0_0.distcp", checkpoint))
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    rewrite_manifest(checkpoint)
+
+
+def add_to_manifest(checkpoint: Path, name: str, entry: dict) -> None:
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = entry
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def as_llama(s: Scratch) -> Path:
+    """A copy of the qwen3 job whose checkpoint's config.json says llama, its manifest made to match."""
+    job = s.job("qwen", "asllama")
+    step = job / "checkpoints" / "step-0"
+    cfg = json.loads((step / "config.json").read_text())
+    cfg["model"]["name"] = "llama"
+    (step / "config.json").write_text(json.dumps(cfg))
+    rewrite_manifest(step)
+    return job
+
+
+def sft_pair(s: Scratch, name: str, labels_of) -> str:
+    """An indexed SFT pair of 6 byte-token sequences; `labels_of(tokens)` gives each sequence's aligned labels."""
+    from maester.data.sft_indexed import DTYPE
+
+    prefix = s.root / "sft" / name
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    with IndexedDatasetWriter(f"{prefix}_text_document", DTYPE) as tw, \
+            IndexedDatasetWriter(f"{prefix}_label_document", DTYPE) as lw:
+        for i in range(6):
+            tokens = np.array(list(f"question {i}? answer {i}.".encode()), dtype=DTYPE)
+            tw.add_document(tokens)
+            lw.add_document(labels_of(tokens).astype(DTYPE))
+    return f"{prefix}_text_document"
+
+
+def trained_answers(tokens: np.ndarray) -> np.ndarray:
+    labels = np.full(len(tokens), -100)
+    labels[12:] = tokens[12:]
+    return labels
+
+
+def slurm_record(job: Path, *lines: str) -> Path:
+    (job / "slurm_jobs.jsonl").write_text(json.dumps({"job_id": "22", "event": "submit"}) + "\n"
+                                          + "".join(line + "\n" for line in lines))
+    return job
+
+
+def small(s: Scratch, *extra: str) -> list[str]:
+    """`train` of the module's corpus under the scratch's jobs/ (new jobs)."""
+    return ["train", DEMO, *tiny_overrides(s.base / "corpus.parquet", s.root / "jobs", "new", training__steps=2,
+                                           checkpoint__interval=0), *extra]
+
+
+def download_copy(s: Scratch) -> Path:
+    out = s.root / "dl"
+    shutil.copytree(s.base / "dl", out)
+    changed = out / "data" / "train-1.parquet"
+    data = changed.read_bytes()
+    changed.write_bytes(data.replace(b"python", b"PYTHON"))  # same size, still Parquet, other text
+    assert len(changed.read_bytes()) == len(data) and changed.read_bytes() != data
+    return out
+
+
+def lock_dir(s: Scratch) -> list[str]:
+    job = s.job()
+    (job / "run.lock").unlink(missing_ok=True)
+    (job / "run.lock").mkdir()
+    return ["train", str(job), "--training.steps=4"]
+
+
+def symlinked_step(s: Scratch) -> list[str]:
+    job = s.job()
+    archive = s.root / "archive" / "step-1"
+    archive.parent.mkdir()
+    shutil.move(job / "checkpoints" / "step-1", archive)
+    (job / "checkpoints" / "step-1").symlink_to(archive)
+    return ["train", str(job), "--training.steps=4", "--checkpoint.keep_last=1", "--checkpoint.interval=1"]
+
+
+def symlink_removed_archive_kept(s: Scratch) -> None:
+    steps = s.root / "jobs" / "small" / "checkpoints"
+    assert not (steps / "step-1").exists() and not (steps / "step-1").is_symlink()
+    assert (s.root / "archive" / "step-1" / ".metadata").is_file()
+    assert sorted(p.name for p in steps.iterdir()) == ["latest", "step-4"]
+
+
+def resumed_past_the_damage(s: Scratch) -> None:
+    steps = s.root / "jobs" / "small" / "checkpoints"
+    assert (steps / "step-3.damaged").is_dir() and (steps / "step-5").is_dir()
+    events = [json.loads(line) for line in (s.root / "jobs" / "small" / "metrics.jsonl").open()]
+    assert [e["checkpoint"] for e in events if e.get("event") == "checkpoint_damaged"] == ["step-3"]
+    trained = [e for e in events if "loss" in e and e["step"] >= 3]
+    assert [e["step"] for e in trained] == [3, 4, 5] and all(e["grad_norm"] > 0 for e in trained)  # a live model
+
+
+def nothing_saved_after_the_damage(s: Scratch) -> None:
+    """The checkpoints saved after the damaged one are set aside, no older one was deleted, and `latest` points at
+    the one loaded (which the error names)."""
+    steps = s.root / "jobs" / "small" / "checkpoints"
+    names = sorted(p.name for p in steps.iterdir())
+    assert names[:4] == ["latest", "step-1", "step-2", "step-3"] and all(n.endswith(".damaged") for n in names[4:])
+    assert os.readlink(steps / "latest") == "step-3"
+
+
+def exported_with_chat_template(s: Scratch) -> None:
+    """The export carries the job's built-in template (chatml) in tokenizer_config.json."""
+    template = json.loads((s.root / "hf" / "tokenizer_config.json").read_text()).get("chat_template", "")
+    assert "<|im_start|>" in template, template
+
+
+def submitted_without_config_change(s: Scratch) -> None:
+    assert (s.root / "jobs" / "pfx" / "config.json").is_file()
+
+
+PROBE_2 = {
+    "N6 a Hub glob matching nothing": Row(
+        lambda s: ["data", "download", "hf://datasets/org/ds/nomatch/*.parquet", "--output", str(s.root / "o")],
+        2, "the pattern matches no files", own_process=True),
+    "N9 a swapped file in a download, downloaded again": Row(
+        lambda s: ["data", "download", "hf://datasets/org/ds/data", "--output", str(download_copy(s))], 2,
+        "train-1.parquet is not the file that was downloaded", own_process=True),
+    "N9 a swapped file in a download, trained on": Row(
+        lambda s: small(s, source(download_copy(s) / "data")), 2,
+        "train-1.parquet is not the file that was downloaded"),
+    "N17 indexed SFT whose labels are all -100": Row(
+        lambda s: small(s, "--data.mode=sft", "--data.seq_len=64",
+                        source(sft_pair(s, "allm", lambda t: np.full(len(t), -100)))), 2,
+        "sequence 0: nothing to train (every label is -100)"),
+    "N20 data count of a pair that training refuses": Row(
+        lambda s: ["data", "count", sft_pair(s, "oor", lambda t: np.where(np.arange(len(t)) == 13, 60000,
+                                                                          trained_answers(t)))], 2,
+        "label 13 = 60000 differs from its token"),
+    "N20 data inspect of a pair that training refuses": Row(
+        lambda s: ["data", "inspect", sft_pair(s, "none", lambda t: np.full(len(t), -100)), "-n", "1"], 0,
+        "TRAINING REFUSES THIS DATASET"),
+    "N23 --max-new-tokens beyond the context": Row(
+        lambda s: ["generate", str(s.job()), "--prompt", "hi", "--max-new-tokens", "1000000000"], 2,
+        "the model's context is 131072 tokens"),
+    "N25 --temperature nan": Row(
+        lambda s: ["generate", str(s.job()), "--prompt", "hi", "--temperature", "nan"], 2,
+        "--temperature must be a finite number"),
+    "N25 --top-p 2": Row(lambda s: ["generate", str(s.job()), "--prompt", "hi", "--top-p", "2"], 2,
+                         "--top-p must be in (0, 1]"),
+    "N25 --top-k -3": Row(lambda s: ["generate", str(s.job()), "--prompt", "hi", "--top-k", "-3"], 2,
+                          "--top-k must be at least 1"),
+    "N26 sampling an early checkpoint": Row(
+        lambda s: ["generate", str(s.job("seed")), "--prompt", "hi", "--temperature", "3", "--max-new-tokens", "40"],
+        0, "hi"),
+    "N27 init_from a qwen3 job into a llama job": Row(
+        lambda s: small(s, f"--checkpoint.init_from={s.job('qwen')}"), 2,
+        "holds a qwen3 model, and this run's model is llama"),
+    "N27 the same with load_mode model_partial": Row(
+        lambda s: small(s, f"--checkpoint.init_from={s.job('qwen')}", "--checkpoint.load_mode=model_partial"), 0,
+        "ignoring 4 checkpoint weight(s) (layers.0.attention.k_norm.weight"),
+    "N27 a qwen3 checkpoint whose config says llama": Row(
+        lambda s: ["convert", "to-hf", str(as_llama(s)), str(s.root / "hf")], 2,
+        "holds weights this model has no place for (layers.0.attention.k_norm.weight"),
+    "N31 an HF export of a built-in-template SFT job": Row(
+        lambda s: ["convert", "to-hf", str(s.job("sft")), str(s.root / "hf")], 0, "",
+        then=exported_with_chat_template),
+    "N33 train on a checkpoint directory": Row(
+        lambda s: ["train", str(s.job() / "checkpoints" / "latest"), "--training.steps=5"], 2,
+        "is a checkpoint of the job"),
+    "N33 status of a checkpoint directory": Row(
+        lambda s: ["status", str(s.job() / "checkpoints" / "step-2")], 2, "is a checkpoint of the job"),
+    "N35 cancel without SLURM's tools": Row(
+        lambda s: ["cancel", str(slurm_record(s.job()))], 2, "squeue and scancel not on PATH",
+        env={"PATH": "/nonexistent"}),
+    "N39 a slurm_jobs.jsonl line that is a list": Row(
+        lambda s: ["status", str(slurm_record(s.job(), "[1, 2]"))], 2,
+        "slurm_jobs.jsonl:2: not a job record: expected an object"),
+    "N39 a restart record without a job id": Row(
+        lambda s: ["cancel", str(slurm_record(s.job(), '{"event": "restart"}'))], 2,
+        "slurm_jobs.jsonl:2: not a job record: 'job_id'"),
+    "N41 submit an indexed prefix": Row(
+        lambda s: ["submit", DEMO, *tiny_overrides(s.base / "corpus.parquet", s.root / "jobs", "pfx"), "--no-submit",
+                   source(s.base / "tok_text_document")], 0, "job directory", then=submitted_without_config_change),
+    "N41 submit an llm.c glob": Row(
+        lambda s: ["submit", DEMO, *tiny_overrides(s.base / "corpus.parquet", s.root / "jobs", "pfx"), "--no-submit",
+                   source(s.base / "llmc" / "shard_*.bin")], 0, "job directory",
+        then=submitted_without_config_change),
+    "N42 one flipped bit, the default verify level": Row(
+        lambda s: (flip_exponent_bit(s.job() / "checkpoints" / "step-3"),
+                   ["train", str(s.root / "jobs" / "small"), "--training.steps=5"])[1], 0, "trained to step 5",
+        then=resumed_past_the_damage),
+    "N42 one flipped bit under verify = size": Row(
+        lambda s: (flip_exponent_bit(s.job() / "checkpoints" / "step-3"),
+                   ["train", str(s.root / "jobs" / "small"), "--training.steps=8", "--checkpoint.verify=size"])[1],
+        2, "after loading the checkpoint", refusal=False, then=nothing_saved_after_the_damage),
+    "N44 a manifest entry outside the checkpoint": Row(
+        lambda s: (add_to_manifest(s.job() / "checkpoints" / "step-3", "../../../../../../etc/hostname",
+                                   {"size": Path("/etc/hostname").stat().st_size, "crc32": "00000000"}),
+                   ["checkpoint", "verify", str(s.root / "jobs" / "small" / "checkpoints" / "step-3")])[1], 1,
+        "is not a file inside the checkpoint directory"),
+    "N44 /dev/zero in a manifest, verify full": Row(
+        lambda s: (add_to_manifest(s.job() / "checkpoints" / "step-3", "/dev/zero", {"size": 0, "crc32": "0"}),
+                   ["checkpoint", "verify", str(s.root / "jobs" / "small" / "checkpoints" / "step-3"),
+                    "--level", "full"])[1], 1, "'/dev/zero', which is not a file inside"),
+    "N44 a FIFO named in a manifest, resume": Row(
+        lambda s: (os.mkfifo(s.job() / "checkpoints" / "step-3" / "extra"),
+                   add_to_manifest(s.root / "jobs" / "small" / "checkpoints" / "step-3", "extra",
+                                   {"size": 0, "crc32": "00000000"}),
+                   ["train", str(s.root / "jobs" / "small"), "--training.steps=4"])[2], 0, "trained to step 4"),
+    "N45 a crafted .metadata reading another checkpoint": Row(
+        lambda s: (craft_metadata(s.job() / "checkpoints" / "step-3", s.root / "jobs" / "small" / "checkpoints" /
+                                  "step-1"), ["convert", "to-hf", str(s.root / "jobs" / "small" / "checkpoints" /
+                                                                   "step-3"), str(s.root / "hf")])[1], 2,
+        "which is not a file inside the checkpoint directory"),
+    "N47 a symlinked step-N under retention": Row(symlinked_step, 0, "trained to step 4",
+                                                    then=symlink_removed_archive_kept),
+    "N50 a read-only job directory: train and report": Row(
+        lambda s: ["train", str(s.job()), "--training.steps=4"], 2, "Read-only file system"),
+    "N51 MAESTER_NO_JOB_LOCK=1": Row(
+        lambda s: ["train", str(s.job()), "--training.steps=4"], 0, "is not locked",
+        env={"MAESTER_NO_JOB_LOCK": "1"}),
+    "N52 run.lock a directory": Row(lock_dir, 2, "run.lock is a directory, not the lock file"),
+    "N52 a lock holder that is not an object": Row(
+        lambda s: (s.hold(s.job(), b"[1, 2]"), ["train", str(s.root / "jobs" / "small"), "--training.steps=4"])[1],
+        2, "in use by another run (holder unknown)"),
+    "N54 seed-checkpoint of a running job": Row(
+        lambda s: (s.hold(s.job("fresh")), ["seed-checkpoint", str(s.root / "jobs" / "fresh"),
+                                            "--optimizer.lr=0.5"])[1], 2,
+        "maester seed-checkpoint would rewrite the config of a running job"),
+    "N54 seed-checkpoint of a job with a checkpoint": Row(
+        lambda s: ["seed-checkpoint", str(s.job()), "--optimizer.lr=0.5"], 2, "already has a checkpoint (step-3)"),
+    "N54 submit over a running job": Row(
+        lambda s: (s.hold(s.job()), ["submit", DEMO, *tiny_overrides(s.base / "corpus.parquet", s.root / "jobs",
+                                                                     "small"), "--no-submit", "--optimizer.lr=0.9"])[1],
+        2, "maester submit would rewrite the config of a running job"),
+    "N54 submit --chain 0": Row(
+        lambda s: ["submit", DEMO, f"--job.dump_dir={s.root / 'jobs'}", "--name=ch0", "--no-submit", "--chain", "0"],
+        2, "--chain 0: must be at least 1"),
+    "N62 norm_eps -1": Row(lambda s: ["config", "show", DEMO, '--model.overrides={"norm_eps": -1}'], 2,
+                           "model.overrides.norm_eps: Input should be greater than 0"),
+    "N62 rope_theta 0": Row(lambda s: ["config", "show", DEMO, '--model.overrides={"rope_theta": 0}'], 2,
+                            "model.overrides.rope_theta: Input should be greater than 0"),
+    "N63 vocab_size 2^31": Row(lambda s: ["config", "show", DEMO, '--model.overrides={"vocab_size": 2147483648}'], 2,
+                               "model.overrides.vocab_size: Input should be less than or equal to 2147483647"),
+}
+
+
+@pytest.fixture(scope="module")
+def probe2(tmp_path_factory):
+    """The jobs and data the rows copy: `small` (tiny Llama, 3 steps, a checkpoint at each), `seed` (its random
+    weights as step-0), `qwen` (a tiny qwen3 seed), `sft` (a tiny SFT seed, chatml), `fresh` (a job directory
+    without a checkpoint), a tokenized prefix, llm.c shards, and a `data download` of a mock Hub's dataset (whose
+    server the rows that need it use)."""
+    from maester.data.indexed import write_llmc_shard
+    from maester.tools.data_tokenize import tokenize, tokenizer_config
+    from tests.hub_server import MockHub
+    from tests.test_hub import hub_env
+
+    base = tmp_path_factory.mktemp("probe2")
+    corpus = write_corpus(base / "corpus.parquet")
+    code, _, err = run_in_process(["train", DEMO, *tiny_overrides(corpus, base / "jobs", "small", training__steps=3,
+                                                                  checkpoint__interval=1, checkpoint__keep_last=3)])
+    assert code == 0, err
+    for command, name, extra in (("seed-checkpoint", "seed", {}), ("seed-checkpoint", "qwen", {"model__name": "qwen3"}),
+                                 ("submit", "fresh", {})):
+        code, _, err = run_in_process([command, DEMO, *tiny_overrides(corpus, base / "jobs", name, **extra)]
+                                      + (["--no-submit"] if command == "submit" else []))
+        assert code == 0, err
+    from tests.data.test_sft import write_conversations
+
+    write_conversations(base / "chats.jsonl", 8)
+    seed_job(corpus, base / "jobs", "sft", data__mode="sft", data__seq_len=64,
+             data__sources=json.dumps([{"path": str(base / "chats.jsonl")}]))
+    tokenize([str(corpus)], str(base / "tok"), tokenizer_config("byte"))
+    (base / "llmc").mkdir()
+    for i in range(2):
+        write_llmc_shard(base / "llmc" / f"shard_{i}.bin", np.arange(3000) % 250)
+    hub = MockHub()
+    docs = [f"document {i} about python and data" for i in range(40)]
+    hub.add("org/ds", {f"data/train-{k}.parquet": parquet_of(docs[k::2]) for k in range(2)}, kind="datasets")
+    env = hub_env(hub, base / "home")
+    out = run_maester(["data", "download", "hf://datasets/org/ds/data", "--output", str(base / "dl")], base, env)
+    assert out.returncode == 0, out.stderr
+    yield base, env
+    hub.stop()
+
+
+def parquet_of(texts: list[str]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": texts}), buf)
+    return buf.getvalue()
+
+
+@contextlib.contextmanager
+def captured_logs(stream=None):
+    """The maester logger writes to `stream` (default: nowhere) while inside; the handlers a command adds (a job's
+    logs/train.log) are closed after, so that later commands do not write into earlier jobs' logs."""
+    logger = logging.getLogger("maester")
+    saved, level = list(logger.handlers), logger.level
+    logger.handlers = [logging.StreamHandler(stream or io.StringIO())]
+    try:
+        yield
+    finally:
+        for handler in logger.handlers:
+            handler.close()
+        logger.handlers, logger.level = saved, level
+
+
+def run_in_process(args: list[str], timeout: int = 120) -> tuple[int, str, str]:
+    """`maester ARGS` in this process: (exit code, stdout, stderr with the log). SIGALRM ends a command that hangs."""
+    from maester.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+
+    def hung(signum, frame):
+        raise TimeoutError(f"maester {' '.join(args)} still ran after {timeout} s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(timeout)
+    code = 0
+    try:
+        with captured_logs(err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main(args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return code, out.getvalue(), err.getvalue()
+
+
+def snapshot(root: Path) -> dict[str, object]:
+    """Every path under `root` with its content's hash (a link: its target); left out: logs/*.log and the holder's
+    name in run.lock, the record of an attempt."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            found[rel] = ("link", os.readlink(path))
+        elif path.name == "run.lock":
+            found[rel] = "lock"
+        elif path.is_file() and not (path.parent.name == "logs" and path.suffix == ".log"):
+            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        elif path.is_dir() or stat.S_ISFIFO(path.lstat().st_mode):
+            found[rel] = "dir" if path.is_dir() else "fifo"
+    return found
+
+
+def read_only_command(args: list[str], job: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """`maester ARGS` in a mount namespace of its own where `job` is a read-only bind mount of itself."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "--map-root-user", "true"],
+                                                         capture_output=True).returncode != 0:
+        pytest.skip("no mount namespaces here (unshare) for a read-only mount")
+    q = shlex.quote(str(job))
+    script = (f"mount --bind {q} {q} && mount -o remount,bind,ro {q} && exec {shlex.quote(sys.executable)} -m "
+              f"maester {' '.join(shlex.quote(a) for a in args)}")
+    return subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c", script], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("case", PROBE_2)
+def test_probe_2_case(probe2, tmp_path, monkeypatch, case):
+    """The row's command gives its exit code and text, without a traceback; a refusal changes no file it was given
+    (the scratch directory: jobs, checkpoints, data), and the rows that succeed leave what their check says."""
+    base, hub_env = probe2
+    row = PROBE_2[case]
+    scratch = Scratch(tmp_path / "s", base)
+    scratch.root.mkdir()
+    monkeypatch.chdir(tmp_path)
+    try:
+        args = row.command(scratch)
+        before = snapshot(scratch.root)
+        if case.startswith("N50"):  # both commands, each in a mount namespace where the job is read-only
+            for command in (args, ["report", args[1]]):
+                done = read_only_command(command, Path(args[1]), tmp_path)
+                assert done.returncode == row.code and row.text in done.stderr, (command, done.stderr[-3000:])
+                assert "Traceback" not in done.stderr, done.stderr[-3000:]
+            code, out, err = row.code, row.text, ""
+        elif row.own_process:
+            done = run_maester(args, tmp_path, {**hub_env, **row.env})
+            code, out, err = done.returncode, done.stdout, done.stderr
+        else:
+            for name, value in row.env.items():
+                monkeypatch.setenv(name, value)
+            code, out, err = run_in_process(args)
+        assert code == row.code, (out + err)[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert row.text in out + err, (out + err)[-3000:]
+        if row.code not in (0, 1) and row.refusal:
+            assert snapshot(scratch.root) == before, "a refusal changed files"
+        if row.then is not None:
+            row.then(scratch)
+    finally:
+        for holder in scratch.holders:
+            holder.stdin.close()
+            holder.wait(timeout=30)

@@ -16,7 +16,7 @@
 #                        that sbatch, srun, squeue and scontrol find the cluster without SLURM_CONF
 #   _MAESTER_SLURM_CPUS  CPUs the node declares (default: this machine's); more than the machine has lets
 #                        more small jobs run at once
-# (Not MAESTER_*: every MAESTER_* variable is read as a maester config key.)
+# (Not MAESTER_*: maester refuses a MAESTER_* variable that is neither a config key nor one of its switches.)
 set -euo pipefail
 
 DIR="${_MAESTER_SLURM_DIR:-/var/lib/maester-slurm}"

@@ -19,6 +19,36 @@ from maester.models.args import MupConfig
 from maester.models.config import ModelConfig
 
 
+class Float8Config(Section):
+    """Float8 matmuls in the transformer blocks through torchao (the `float8` extra: `pip install maester[float8]`),
+    after torchtitan's Float8LinearConverter; `maester.parallel.float8` converts and checks. Needs a GPU with float8
+    matmuls (NVIDIA SM 8.9+: L4, L40, H100, H200, B200; AMD gfx942 MI300, gfx950 MI350), `parallel.compile = true`
+    and `training.precision = "bf16"` (or `auto` on a GPU). Checkpoints hold the same high-precision weights as
+    without float8."""
+
+    enabled: bool = False
+    """Convert the `nn.Linear` layers of the transformer blocks to torchao's `Float8Linear` before they are
+    parallelised. The output layer, MoE routers, the layers in `filter` and layers whose dims (per tensor-parallel
+    shard) are not multiples of 16 stay in high precision; MoE routed experts stay bf16 (`experts`)."""
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao's scaling recipe. `tensorwise`: one dynamic scale per tensor (the fastest; under FSDP the weights are
+    all-gathered in float8 and their scales computed for all layers in one all-reduce after each optimizer step;
+    under TP torchao's float8 TP styles all-gather activations in float8). `rowwise`: a scale per row, more
+    accurate, all-gathers in high precision. `rowwise_with_gw_hp`: rowwise, with the weight gradient computed in
+    high precision."""
+    filter: list[str] = Field(default_factory=list)
+    """Further layers to keep in high precision: a layer whose name contains an entry stays (torchtitan's
+    filter_fqns), e.g. `["attention.k_proj", "attention.v_proj"]` (too small to gain at some widths); names as in
+    checkpoints (`layers.3.feed_forward.down_proj`). An entry that names no converted layer is an error."""
+    emulate: bool = False
+    """For tests on the CPU only: float8 rounding emulated in high-precision matmuls (torchao's `emulate`), and
+    `parallel.compile` not required (compiling on the CPU is slow). Refused on a GPU."""
+    experts: bool = False
+    """Float8 grouped GEMMs for the routed experts of MoE layers. Refused: the pinned torchao has them only as a
+    prototype (`torchao.prototype.moe_training`) with GPU-only Triton kernels that need every expert's token group
+    padded to a multiple of 16, which maester's routing does not do; the experts compute in bf16."""
+
+
 class TrainingConfig(Section):
     steps: int = Field(1000, gt=0)
     """The number of the last step (absolute: a run resumed or started at `checkpoint.step_offset` ends there too)."""
@@ -63,6 +93,8 @@ class TrainingConfig(Section):
     """Collective timeout until the first step is done (building, loading, compiling)."""
     train_timeout_seconds: float = Field(300, gt=0)
     """Collective timeout after the first step: a hung rank ends the job within this."""
+    float8: Float8Config = Field(default_factory=Float8Config)
+    """Float8 training through torchao (see `Float8Config`)."""
     requeue_lock_wait_seconds: float = Field(600, ge=0)
     """A requeued SLURM job (SLURM_RESTART_COUNT > 0) waits this long for the previous run of its job directory to
     release `run.lock` (it may still be saving); any other second run of a job directory is refused at once."""
@@ -279,8 +311,13 @@ LOAD_MODES: dict[str, frozenset[str]] = {
     "transfer": frozenset({"model", "optimizer"}),
     "transfer_with_lr": frozenset({"model", "optimizer", "schedule", "step"}),
     "cooldown": frozenset({"model", "optimizer", "data", "step"}),
+    "model_partial": frozenset({"model"}),
 }
 """The parts of `checkpoint.init_from` each `checkpoint.load_mode` takes; every other part starts fresh."""
+
+PARTIAL_LOAD_MODES = frozenset({"model_partial"})
+"""Load modes that take the weights a checkpoint and the model share by name, from any architecture; the others
+refuse a checkpoint of another `model.name` or with other weights."""
 
 
 HF_PREFIX = "hf:"
@@ -299,21 +336,25 @@ class CheckpointConfig(Section):
     `hf:PATH`: the weights of a Hugging Face model directory (config.json + safetensors), whose architecture must
     be the run's (`model.hf_config = PATH` takes it); it holds only weights, so only `model_only` applies."""
     load_mode: Literal["continue", "model_only", "model_data", "model_opt_data", "reset_optimizer", "transfer",
-                       "transfer_with_lr", "cooldown"] = "model_only"
+                       "transfer_with_lr", "cooldown", "model_partial"] = "model_only"
     """Which parts of `init_from` the run takes (`LOAD_MODES`); the rest start fresh. `continue`: model,
     optimizer state, schedule, data position, step (and the RNG state); `model_only`: the weights (fine-tuning);
     `model_data`: + data position; `model_opt_data`: + optimizer state and data position; `reset_optimizer`: all
     but the optimizer state; `transfer`: weights and optimizer state; `transfer_with_lr`: weights, optimizer
     state, schedule and step; `cooldown`: all but the schedule, from a checkpoint in the stable phase of its
-    schedule (a WSD run's), and this run's schedule (no warmup) decays from that step to `training.steps`."""
+    schedule (a WSD run's), and this run's schedule (no warmup) decays from that step to `training.steps`;
+    `model_partial`: the weights the checkpoint and this model share by name, whatever architecture saved it (the
+    others start fresh; every other mode refuses a checkpoint of another `model.name` or with other weights)."""
     step_offset: int = Field(0, ge=0)
     """The step a run starts at when it does not take the step from `init_from`; its schedule (warmup
     included) still starts at that step. `training.steps` stays the number of the last step: an offset of 220 with
     `training.steps = 250` trains 30 steps."""
     save_final: bool = True
-    verify: Literal["size", "full"] = "size"
-    """What a resumed run checks of a checkpoint against its manifest.json before loading it: `size`, every file's
-    size (a stat per file); `full`, also every file's CRC-32 (reads the whole checkpoint once)."""
+    verify: Literal["size", "full"] = "full"
+    """What a run checks of the checkpoint it resumes from (or `init_from`) against its manifest.json before loading
+    it: `full`, every file's size and CRC-32 (reads the whole checkpoint once, every rank its share: about 0.5 s per
+    GB on one CPU core, `benchmarks/checkpoint_verify.py`); `size`, every file's size only (a stat per file), which
+    misses a flipped bit. Either way the first steps after a load stop the run if the model cannot train."""
     trust_pickled_rng: bool = False
     """Read a checkpoint's RNG state saved by an older maester (pickled Python objects: loading them can run
     code). Off: such a file is refused with a message; checkpoints of this version hold no pickle."""
@@ -346,6 +387,10 @@ class CheckpointConfig(Section):
                 raise ValueError(f"checkpoint.init_from = {self.init_from!r}: give the Hugging Face model directory "
                                  f"after {HF_PREFIX!r}")
             taken = LOAD_MODES[self.load_mode] - {"model"}
+            if self.load_mode in PARTIAL_LOAD_MODES:
+                raise ValueError(f"checkpoint.load_mode = {self.load_mode!r} takes part of a checkpoint, and "
+                                 f"{self.init_from!r} is a Hugging Face directory, whose weights load whole: use "
+                                 f"load_mode = 'model_only'")
             if taken:
                 raise ValueError(f"checkpoint.load_mode = {self.load_mode!r} takes the {', '.join(sorted(taken))} "
                                  f"of checkpoint.init_from, but {self.init_from!r} is a Hugging Face directory, "
@@ -500,6 +545,35 @@ class Config(Section):
                              "(set validation_fraction on a source, or add data.validation sources)")
         if self.data.validation and not self.logging.eval_interval:
             raise ValueError("data.validation names sources to evaluate, but logging.eval_interval is 0 (never)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_float8(self) -> "Config":
+        """The float8 settings that the config alone refuses (`maester.parallel.float8.check_float8` refuses the
+        rest, which needs the devices, the layout and the installed torchao)."""
+        f8, precision = self.training.float8, self.training.precision
+        if not f8.enabled:
+            return self
+        if precision in ("fp16", "bf16-pure"):
+            why = ("fp16 is for GPUs without bf16, and every GPU with float8 matmuls has bf16; its loss scaling is "
+                   "not made for float8's own dynamic scales" if precision == "fp16" else
+                   "it keeps no fp32 master weights, so the float8 casts would start from bf16-rounded weights and "
+                   "updates below bf16's resolution would be lost on top of float8's rounding")
+            raise ValueError(f"training.float8 with training.precision = {precision!r}: {why}. torchao and "
+                             f"torchtitan train float8 in bf16 mixed precision: set training.precision = 'bf16'")
+        if not self.parallel.compile and not f8.emulate:
+            raise ValueError("training.float8 needs parallel.compile = true: torch.compile fuses torchao's amax, "
+                             "scale and cast kernels around each float8 matmul; run eagerly, they read and write "
+                             "every activation and weight again and cost more than float8 saves (torchtitan "
+                             "requires compile for float8 too)")
+        if f8.experts:
+            raise ValueError("training.float8.experts = true: float8 grouped GEMMs for the routed experts are not "
+                             "supported with the pinned torchao (a prototype, torchao.prototype.moe_training, whose "
+                             "GPU-only Triton kernels need every expert's token group padded to a multiple of 16, "
+                             "which maester's routing does not do); set it to false: the experts compute in bf16 "
+                             "and the other linears of the blocks in float8")
+        if any(not entry.strip() for entry in f8.filter):
+            raise ValueError("training.float8.filter has an empty entry, which every layer name contains")
         return self
 
     @property

@@ -141,7 +141,12 @@ class DataConfig(Section):
     into chunks of at most this many rows)."""
     skip_invalid: bool = False
     """Raw text: skip (and count, per source, in the metrics) records that are not a non-empty UTF-8 text
-    instead of stopping with an error naming the file and row."""
+    instead of stopping with an error naming the file and row. SFT: also skip conversations (and indexed sequences)
+    that train no token."""
+    verify_downloads: bool = True
+    """Files of a `maester data download` directory are checked against its manifest's sha256 before a run trains
+    on them (rank 0, once per file: the job remembers what it checked in `verified-downloads.json`); false: trust
+    them as they are."""
 
     @model_validator(mode="after")
     def _one_kind_of_source(self):

@@ -17,6 +17,10 @@ from pydantic import BaseModel, ValidationError
 from maester.config_base import ConfigError, format_pydantic_error, origin_of, suggest
 
 ENV_PREFIX = "MAESTER_"
+NO_JOB_LOCK = "MAESTER_NO_JOB_LOCK"
+SWITCHES = {NO_JOB_LOCK: "1: train without the one-run-per-job lock, on a filesystem that has no file locks"}
+"""The program's own `MAESTER_*` switches: never config. A config variable names a key under a section, so it always
+holds a double underscore (`MAESTER_TRAINING__STEPS`); any other `MAESTER_*` variable is an error."""
 Schema = TypeVar("Schema", bound=BaseModel)
 
 
@@ -75,10 +79,15 @@ def parse_cli_overrides(args: list[str] | tuple[str, ...]) -> list[tuple[str, st
 
 
 def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
-    """`MAESTER_TRAINING__STEPS=10` into ("training.steps", "10", variable name); sorted for stability."""
+    """`MAESTER_TRAINING__STEPS=10` into ("training.steps", "10", variable name); sorted for stability. The
+    program's switches (`SWITCHES`) are left out; a `MAESTER_*` variable that is neither is an error."""
     out = []
     for var in sorted(environ):
-        if var.startswith(ENV_PREFIX):
+        if var.startswith(ENV_PREFIX) and var not in SWITCHES:
+            if "__" not in var[len(ENV_PREFIX):]:
+                raise ConfigError(f"environment variable {var} is neither a config variable (MAESTER_<SECTION>__<KEY>, "
+                                  f"e.g. MAESTER_TRAINING__STEPS=10) nor one of maester's switches "
+                                  f"({', '.join(SWITCHES)})")
             key = ".".join(part.lower() for part in var[len(ENV_PREFIX):].split("__"))
             out.append((key, environ[var], var))
     return out

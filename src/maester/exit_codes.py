@@ -9,7 +9,7 @@ REQUEUE = 3
 NONFINITE = 4
 """The loss or the gradients became NaN or infinite."""
 OUT_OF_MEMORY = 5
-"""The device ran out of memory."""
+"""The device (or, on the CPU, the host) ran out of memory."""
 COLLECTIVE = 6
 """A collective failed or timed out: another rank died or hung, or the network failed."""
 INTERRUPTED = 130

@@ -35,11 +35,13 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 MIXED = "ASCII, naïve café, 日本語 and 🙂 <|im_start|>user\nhi<|im_end|><|end_of_text|> tail\t\x00"
 
 
-def hf_greedy(model, ids: list[int], eos: list[int] | None = None) -> list[int]:
-    """transformers' greedy continuation of `ids`, without the end token it stops at."""
+def hf_greedy(model, ids: list[int], vocab: int, eos: list[int] | None = None) -> list[int]:
+    """transformers' greedy continuation of `ids` among the tokenizer's `vocab` ids (the embedding's padding rows
+    beyond them suppressed, as maester's sampler masks them), without the end token it stops at."""
+    padding = list(range(vocab, model.config.vocab_size))
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
-                             pad_token_id=0)[0, len(ids):].tolist()
+                             pad_token_id=0, suppress_tokens=padding or None)[0, len(ids):].tolist()
     return out[:-1] if eos and out and out[-1] in eos else out
 
 
@@ -106,8 +108,10 @@ def test_from_hf_writes_a_checkpoint_that_generates_as_transformers(hf_dirs, con
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
 
     prompt_ids = list(PROMPT.encode())
-    greedy = hf_greedy(hf_model, prompt_ids)
-    assert len(greedy) == NEW_TOKENS and sample(model, prompt_ids, NEW_TOKENS) == greedy
+    assert tokenizer.vocab_size < args.vocab_size  # the embedding has padding rows, which sampling never picks
+    greedy = hf_greedy(hf_model, prompt_ids, tokenizer.vocab_size)
+    assert len(greedy) == NEW_TOKENS
+    assert sample(model, prompt_ids, NEW_TOKENS, vocab_size=tokenizer.vocab_size) == greedy
     command = ["generate", str(out), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu"]
     if case == "llama":
         run = run_maester(command, tmp_path)
@@ -116,7 +120,8 @@ def test_from_hf_writes_a_checkpoint_that_generates_as_transformers(hf_dirs, con
         code, stdout, stderr = maester_cli(command, capsys)
     assert code == 0, stderr
     decode = transformers.AutoTokenizer.from_pretrained(hf_path).decode
-    assert stdout == PROMPT + decode(greedy) + "\n"
+    shown = greedy[:greedy.index(tokenizer.eos_id)] if tokenizer.eos_id in greedy else greedy  # generate stops there
+    assert stdout == PROMPT + decode(shown) + "\n"
 
 
 def test_generate_on_an_hf_directory_with_a_prompts_file(hf_dirs, tmp_path, capsys):
@@ -130,9 +135,10 @@ def test_generate_on_an_hf_directory_with_a_prompts_file(hf_dirs, tmp_path, caps
                                         str(NEW_TOKENS), "--device", "cpu"], capsys)
     assert code == 0, stderr
 
-    continuation = hf_greedy(hf_model, list(PROMPT.encode()))
+    continuation = hf_greedy(hf_model, list(PROMPT.encode()), len(hf_tok))
     chat_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    answer = hf_greedy(hf_model, list(chat_ids), eos=[hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids("<|im_end|>")])
+    answer = hf_greedy(hf_model, list(chat_ids), len(hf_tok),
+                       eos=[hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids("<|im_end|>")])
     assert stdout == (f"### {prompts}:1\n> {PROMPT}\n{hf_tok.decode(continuation)}\n\n"
                           f"### {prompts}:2\n> user: Say hi\n> assistant: hi\n> user: Again,\n> please\n"
                           f"{hf_tok.decode(answer)}\n\n")

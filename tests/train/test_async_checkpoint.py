@@ -19,7 +19,8 @@ import torch
 from maester.cli import main
 from maester.config import CheckpointConfig, ModelConfig, OptimizerConfig, load_config
 from maester.models.build import build_model
-from maester.train.checkpoint import Checkpointer, resolve_async_mode
+from maester.train.checkpoint import Checkpointer
+from maester.train.checkpoint_async import resolve_async_mode
 from maester.train.checkpoint_files import verify_checkpoint
 from maester.train.metrics_file import read_events, read_metrics
 from maester.train.optim import build_optimizer

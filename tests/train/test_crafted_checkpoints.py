@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from maester.train.checkpoint_files import dcp_load
-from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, write_corpus
+from tests.helpers import DEMO_CONFIG, rewrite_manifest, run_maester, tiny_overrides, write_corpus
 
 
 class Payload:
@@ -35,11 +35,12 @@ def checkpoint(tmp_path_factory):
 
 
 def crafted(checkpoint, tmp_path):
-    """A copy of `checkpoint` whose .metadata runs `touch MARKER` when unpickled."""
+    """A copy of `checkpoint` whose .metadata runs `touch MARKER` when unpickled, its manifest made to match."""
     marker = tmp_path / "PWNED"
     path = tmp_path / "step-2"
     shutil.copytree(checkpoint, path)
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    rewrite_manifest(path)
     return path, marker
 
 

@@ -38,6 +38,7 @@ EXPECTED = {
     "transfer": {"model", "optimizer"},
     "transfer_with_lr": {"model", "optimizer", "schedule", "step"},
     "cooldown": {"model", "optimizer", "data", "step"},
+    "model_partial": {"model"},  # here every weight: the source shares all its names with the target
 }
 # A cooldown's own schedule has no warmup: a linear decay over its 2 steps is at 1/2 on its first step.
 COOLDOWN = dict(schedule__name="linear", schedule__warmup_steps=0)

@@ -4,6 +4,7 @@ nothing after it; `skip` drops exactly that update, on one process and on two FS
 from __future__ import annotations
 
 import gc
+import json
 import re
 from pathlib import Path
 
@@ -135,3 +136,31 @@ def test_a_hung_rank_ends_the_job_within_the_train_timeout(corpus, tmp_path):
     logs = tmp_path / "jobs" / "hang" / "logs"
     assert "model llama/tiny" in (logs / "rank-1.log").read_text()  # every rank keeps its whole log
     assert "model llama/tiny" in (logs / "rank-0.log").read_text()
+
+
+@pytest.mark.parametrize("loss, norm, overflow, bad", [
+    (2.0, 1.5, None, False), (2.0, 0.0, None, True), (float("nan"), 1.0, None, True), (2.0, float("inf"), None, True),
+    (2.0, float("inf"), 1, False),  # an fp16 overflow: the loss scaler's
+])
+def test_the_steps_after_a_load_stop_at_a_dead_or_non_finite_model(loss, norm, overflow, bad, tmp_path):
+    from maester.config import CheckpointConfig
+    from maester.train.checkpoint import Checkpointer
+    from maester.train.nonfinite import AfterLoadWatch
+
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig())
+    checkpointer.hold_retention = True
+    loaded, since = checkpointer.dir / "step-30", checkpointer.dir / "step-35"
+    for step, path in ((30, loaded), (35, since)):
+        path.mkdir(parents=True)
+        (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    watch = AfterLoadWatch(loaded, 30, torch.device("cpu"))
+    watch.observe(31, torch.tensor(loss), torch.tensor(norm), None if overflow is None else torch.tensor(overflow))
+    if bad:
+        with pytest.raises(ValueError, match=f"step 31, 1 step\\(s\\) after loading the checkpoint {loaded}.*"
+                                             f"the checkpoints saved since, step-35.damaged, are set aside"):
+            watch.check(31, checkpointer)
+        assert not since.exists() and (checkpointer.dir / "step-35.damaged").is_dir()
+    else:
+        assert watch.check(31, checkpointer) is False and checkpointer.hold_retention
+        watch.observe(40, torch.tensor(2.0), torch.tensor(1.0), None)
+        assert watch.check(40, checkpointer) is True and not checkpointer.hold_retention  # 10 steps watched

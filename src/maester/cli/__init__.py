@@ -87,6 +87,12 @@ GLOO_COLLECTIVE_FAILURES = ("gloo/transport", "Connection closed by peer", "Conn
 def _training_failure(e: Exception) -> tuple[int | None, str]:
     """The exit code and advice for a failure a run's settings can cause; (None, "") for anything else (a bug:
     its traceback is shown)."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno == errno.EROFS:
+        return exit_codes.BAD_INPUT, ("the file system is mounted read-only: a job directory must be writable to "
+                                      "train (its lock, checkpoints, logs and metrics); outputs such as `report "
+                                      "--out` can go elsewhere")
     torch = sys.modules.get("torch")
     if torch is None:
         return None, ""
@@ -96,6 +102,10 @@ def _training_failure(e: Exception) -> tuple[int | None, str]:
         return exit_codes.NONFINITE, ("lower optimizer.lr, raise schedule.warmup_steps or set training.max_grad_norm, "
                                 "then resume from the latest checkpoint; training.detect_anomaly = true names the "
                                 "op that made the first NaN, and training.nonfinite = 'skip' steps over rare ones")
+    if isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e):
+        return exit_codes.OUT_OF_MEMORY, ("out of host memory: the model or a batch does not fit this machine's "
+                                          "RAM (check model.overrides such as vocab_size and dim, and "
+                                          "training.micro_batch_size)")
     if isinstance(e, torch.OutOfMemoryError):
         return exit_codes.OUT_OF_MEMORY, ("out of device memory: lower training.micro_batch_size, set "
                                     "parallel.activation_checkpointing, or shard more (parallel.dp_shard); "

@@ -83,6 +83,8 @@ def add_data(sub, name: str) -> None:
     d.add_argument("--output", required=True, metavar="DIR",
                    help="writes DIR/<path in the repository> and the manifest DIR/.download.json; must be empty, "
                         "new, or hold this same download")
+    d.add_argument("--no-verify", action="store_true",
+                   help="when DIR holds this download already, compare file sizes only, not sha256s")
 
 
 def _chat_args(p, template_default: str | None) -> None:
@@ -199,7 +201,7 @@ def run_data(args) -> None:
     elif action == "download":
         from maester.tools.data_download import download
 
-        summary = download(args.source, args.output)
+        summary = download(args.source, args.output, verify=not args.no_verify)
     else:
         from maester.tools.data_convert import convert
 

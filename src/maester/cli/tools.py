@@ -48,7 +48,9 @@ def load_completer(args, chat: bool, needs_template: bool):
     prompt is answered in the chat template); returns it and this process's rank."""
     from maester.tools.generate import Completer, load_for_inference, start_inference
     from maester.tools.hf_dir import is_hf_model_dir
+    from maester.tools.sampling import check_sampling
 
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before loading
     device, dtype, tp_mesh, rank = start_inference(args.device, args.dtype)
     model, tokenizer, cfg = load_for_inference(args.target, device, dtype, tp_mesh)
     if needs_template and is_hf_model_dir(args.target) and cfg.data.sft.template != "jinja":

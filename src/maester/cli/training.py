@@ -24,9 +24,10 @@ def add_train(sub, name: str) -> None:
 
 
 def run_train(args) -> None:
-    from maester.jobs.job_dir import config_for_target, is_job_dir, lock_job_dir, write_job_dir
+    from maester.jobs.job_dir import config_for_target, is_job_dir, lock_job_dir, refuse_checkpoint, write_job_dir
     from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE, completed_marker
 
+    refuse_checkpoint(args.target, "train")
     rank = int(os.environ.get("RANK", "0"))
     # A job whose COMPLETED marker covers training.steps (a later link of a chain) has nothing to do: it exits
     # before torch is imported and leaves the job directory as it is.
@@ -45,12 +46,19 @@ def run_train(args) -> None:
 
     setup_logging(None, rank)  # so that write_job_dir reports what the overrides change
     lock, existing = None, is_job_dir(job_dir)
+    created = next((d for d in reversed([job_dir, *job_dir.parents]) if not d.exists()), None)  # the top one
     if rank == 0:
         lock = lock_job_dir(job_dir, cfg.training.requeue_lock_wait_seconds)
         if not existing:
             write_job_dir(cfg, job_dir)
     try:
-        trainer = Trainer(cfg, job_dir)
+        try:
+            trainer = Trainer(cfg, job_dir)
+        except BaseException:
+            if rank == 0 and created is not None:  # a run refused before its first step leaves no directory
+                _remove_new_job_dir(created, job_dir, lock)
+                lock = None
+            raise
         if rank == 0 and existing:  # an override that fails the resume is not kept in config.json
             write_job_dir(cfg, job_dir)
         result = trainer.train()
@@ -69,6 +77,21 @@ def run_train(args) -> None:
               + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""))
 
 
+def _remove_new_job_dir(created, job_dir, lock) -> None:
+    """Remove what this run created (`created`: the job directory or the first of its parents that did not exist),
+    closing the job's log files and lock first."""
+    import logging
+    import shutil
+
+    root = logging.getLogger("maester")
+    for handler in [h for h in root.handlers if str(getattr(h, "baseFilename", "")).startswith(str(job_dir.resolve()))]:
+        root.removeHandler(handler)
+        handler.close()
+    if lock is not None:
+        lock.release()
+    shutil.rmtree(created, ignore_errors=True)
+
+
 def add_seed_checkpoint(sub, name: str) -> None:
     p = sub.add_parser(name, epilog=OVERRIDES_HELP,
                        help="initialise the model on one process and save it as the job's step-0 checkpoint")
@@ -76,12 +99,16 @@ def add_seed_checkpoint(sub, name: str) -> None:
 
 
 def run_seed_checkpoint(args) -> None:
-    from maester.jobs.job_dir import config_for_target, write_job_dir
+    from maester.jobs.job_dir import config_for_target, locked_for_writing, refuse_checkpoint, write_job_dir
+    from maester.train.checkpoint_dirs import check_seedable
     from maester.train.trainer import write_seed_checkpoint
 
+    refuse_checkpoint(args.target, "seed-checkpoint")
     cfg, job_dir = config_for_target(args.target, args.overrides)
-    write_job_dir(cfg, job_dir)
-    print(f"seed checkpoint {write_seed_checkpoint(cfg, job_dir)}")
+    with locked_for_writing(job_dir, "seed-checkpoint"):
+        check_seedable(job_dir)
+        write_job_dir(cfg, job_dir)
+        print(f"seed checkpoint {write_seed_checkpoint(cfg, job_dir)}")
 
 
 def add_submit(sub, name: str) -> None:
@@ -101,7 +128,7 @@ def add_submit(sub, name: str) -> None:
 
 def run_submit(args) -> None:
     from maester.config import load_config
-    from maester.jobs.job_dir import write_job_dir
+    from maester.jobs.job_dir import locked_for_writing, write_job_dir
     from maester.jobs.slurm import SubmitError, check_inputs, render_slurm_script, submit_job
 
     overrides = list(args.overrides) + ([f"--job.name={args.name}"] if args.name else [])
@@ -115,11 +142,14 @@ def run_submit(args) -> None:
         print(f"# dry run: would write {cfg.job_dir}/config.json, slurm.sh, logs/, checkpoints/", file=sys.stderr)
         print(render_slurm_script(cfg, cfg.job_dir), end="", file=sys.stderr)
         return
+    if args.chain < 1:
+        raise SubmitError(f"--chain {args.chain}: must be at least 1")
     render_slurm_script(cfg, cfg.job_dir)  # template errors before anything is written
     problems = check_inputs(cfg)
     if problems:
         raise SubmitError("the job would fail on the cluster:\n  " + "\n  ".join(problems))
-    job_dir = write_job_dir(cfg)
+    with locked_for_writing(cfg.job_dir, "submit"):
+        job_dir = write_job_dir(cfg)
     if args.no_submit:
         print(f"job directory {job_dir}: run with `maester train {job_dir}`, `maester launch {job_dir}` or "
               f"`sbatch {job_dir}/slurm.sh`")
@@ -237,7 +267,7 @@ def run_preflight(args) -> None:
 
     import torch.distributed as dist
 
-    from maester.jobs.job_dir import config_for_target
+    from maester.jobs.job_dir import config_for_target, refuse_checkpoint
     from maester.files import parse_buffer_size
     from maester.parallel.preflight import PreflightFailed, run_preflight
     from maester.parallel.dims import init_distributed
@@ -247,6 +277,7 @@ def run_preflight(args) -> None:
         overrides.append(f"--preflight.sizes={json.dumps([parse_buffer_size(s) for s in args.sizes])}")
     if args.dtypes:
         overrides.append(f"--preflight.dtypes={json.dumps(args.dtypes)}")
+    refuse_checkpoint(args.target, "preflight")
     cfg, job_dir = config_for_target(args.target, overrides)
     rank, _, device = init_distributed(cfg.training.device, precision=cfg.training.precision)
     try:

@@ -104,6 +104,9 @@ def resolve_hub_files(source: str, fmt: str = "auto", parquet_only: bool = True)
     try:
         commit = hub.HfApi().dataset_info(where.repo, revision=where.revision).sha
         listed = _listing(hub.HfFileSystem(), where, commit)
+    except FileNotFoundError as e:  # the Hub answered: nothing there (an OSError, but not a network error)
+        raise ValueError(str(e) if str(e).startswith("data source") else
+                         f"data source {source!r}: {where.pattern} does not exist in {where.repo}") from None
     except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
         what = (f"has no revision {where.revision!r}" if isinstance(e, hub.errors.RevisionNotFoundError)
                 else "is not a dataset repository the Hub knows (a private or gated one needs a token: "

@@ -19,9 +19,8 @@ from maester.data.sft_loader import SFTLoader
 from maester.data.records import InvalidDocument
 from maester.data.text_files import TextSource
 from maester.data.text_loader import TextLoader
-from maester.data.token_loader import TokenLoader, TokenSource, source_format
-
-PRETOKENIZED = ("indexed", "llmc", "nanogpt")
+from maester.data.sources import PRETOKENIZED, source_format
+from maester.data.token_loader import TokenLoader, TokenSource
 
 
 class Loader(Protocol):

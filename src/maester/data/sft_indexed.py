@@ -86,13 +86,20 @@ def open_pair(text_prefix: str, label_prefix: str) -> tuple[IndexedDataset, Inde
     return tokens, labels
 
 
-def read_conversations(text_prefix: str, label_prefix: str, vocab_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(tokens, pre-shifted labels) as int32 for each sequence. A label other than -100 must equal its token, and
-    every token id lie in the vocabulary; an empty sequence is an error. Each names the sequence and position."""
+def check_pair(text_prefix: str, label_prefix: str, vocab_size: int | None = None, skip_invalid: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The tokens and GPT-NeoX labels of a pair (int64, all sequences one after another), each sequence's end and
+    whether it trains anything, checked as training checks them: a label other than -100 must equal its token, every
+    token id lie in the vocabulary (when `vocab_size` is given), no sequence be empty, and every sequence train at
+    least one token, as a conversation in a JSONL source must (unless `skip_invalid`: such sequences are then marked
+    in the fourth array, False). Each error names the dataset, the sequence and the position."""
+    from maester.data.chat.format import NOTHING_TO_TRAIN
+
     tokens_ds, labels_ds = open_pair(text_prefix, label_prefix)
     sizes = np.asarray(tokens_ds.sizes, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
     if not len(sizes):
-        return []
+        return empty, empty, empty, np.zeros(0, dtype=bool)
     if (sizes == 0).any():
         raise ValueError(f"{text_prefix}: sequence {int(np.flatnonzero(sizes == 0)[0])} is empty")
     tokens = np.asarray(tokens_ds.tokens(), dtype=np.int64)
@@ -102,19 +109,43 @@ def read_conversations(text_prefix: str, label_prefix: str, vocab_size: int) -> 
     starts_mask = np.zeros(len(tokens), dtype=bool)
     starts_mask[starts] = True
     trained = (labels != IGNORE_INDEX) & ~starts_mask  # a sequence's first label predicts nothing
-    checks = ((trained & (labels != tokens), label_prefix, "label", labels, "differs from its token, and is not -100"),
-              ((tokens < 0) | (tokens >= vocab_size), text_prefix, "token", tokens,
-               f"is outside the tokenizer's vocabulary of {vocab_size} ids"))
+    checks = [(trained & (labels != tokens), label_prefix, "label", labels,
+               "differs from its token, and is not -100")]
+    if vocab_size is not None:
+        checks.append(((tokens < 0) | (tokens >= vocab_size), text_prefix, "token", tokens,
+                       f"is outside the tokenizer's vocabulary of {vocab_size} ids"))
     for bad, prefix, what, values, why in checks:
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
             seq = int(np.searchsorted(ends, k, side="right"))
             raise ValueError(f"{prefix}: sequence {seq}, {what} {k - int(starts[seq])} = {int(values[k])} {why}")
+    trains = np.add.reduceat(trained, starts) > 0
+    if not trains.all() and not skip_invalid:
+        seq = int(np.flatnonzero(~trains)[0])
+        raise ValueError(f"{label_prefix}: sequence {seq}: {NOTHING_TO_TRAIN} (every label is -100), as in "
+                         f"{int((~trains).sum())} of {len(sizes)} sequences; data.skip_invalid = true skips them")
+    return tokens, labels, ends, trains
+
+
+def read_conversations(text_prefix: str, label_prefix: str, vocab_size: int, skip_invalid: bool = False) -> list:
+    """(tokens, pre-shifted labels) as int32 for each sequence, checked (`check_pair`); with `skip_invalid`, a
+    sequence that trains nothing comes as its InvalidRecord instead (counted as skipped)."""
+    from maester.data.chat.format import NOTHING_TO_TRAIN
+    from maester.data.records import InvalidRecord
+
+    tokens, labels, ends, trains = check_pair(text_prefix, label_prefix, vocab_size, skip_invalid)
+    if not len(ends):
+        return []
+    starts = ends - np.diff(ends, prepend=0)
+    trained = labels != IGNORE_INDEX
+    trained[starts] = False
     shifted = np.full(len(tokens), IGNORE_INDEX, dtype=np.int64)
     shifted[:-1] = np.where(trained[1:], tokens[1:], IGNORE_INDEX)
     shifted[ends - 1] = IGNORE_INDEX  # nothing is predicted across two conversations
     cuts = ends[:-1]
-    return list(zip(np.split(tokens.astype(DTYPE), cuts), np.split(shifted.astype(DTYPE), cuts)))
+    pairs = zip(np.split(tokens.astype(DTYPE), cuts), np.split(shifted.astype(DTYPE), cuts))
+    return [pair if ok else InvalidRecord(f"{label_prefix}: sequence {i}: every label is -100", NOTHING_TO_TRAIN)
+            for i, (pair, ok) in enumerate(zip(pairs, trains))]
 
 
 def trained_tokens(labels: IndexedDataset) -> int:

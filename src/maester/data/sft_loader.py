@@ -166,14 +166,14 @@ def load_source(cfg: DataSourceConfig, data: DataConfig, tokenizer_cfg: Tokenize
     raise (naming file and line or row) unless `data.skip_invalid`, which counts them instead."""
     from maester.data.records import file_format
     from maester.data.text_files import resolve_files
-    from maester.data.token_loader import source_format
+    from maester.data.sources import source_format
 
     if source_format(cfg) == "indexed":
         from maester.data.sft_indexed import label_prefix_of, read_conversations
 
         labels = cfg.label_path or label_prefix_of(cfg.path)
         source = SFTSource(cfg, [Path(f"{prefix}.{ext}") for prefix in (cfg.path, labels) for ext in ("idx", "bin")])
-        _keep_fitted(source, read_conversations(cfg.path, labels, vocab_size), data)
+        _keep_fitted(source, read_conversations(cfg.path, labels, vocab_size, data.skip_invalid), data)
         return source
     files = resolve_files(cfg)
     source = SFTSource(cfg, files)

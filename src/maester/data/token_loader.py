@@ -9,10 +9,8 @@ same global step and takes its slice: the state is the sample counter and one co
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +19,12 @@ import torch
 from maester.config import DataConfig, DataSourceConfig
 from maester.data.batch import BatchPlan, make_batch
 from maester.data.loader_base import LoaderBase
-from maester.data.indexed import LLMC_MAGIC, IndexedDataset, read_llmc_shard, read_nanogpt_bin
+from maester.data.indexed import IndexedDataset, read_llmc_shard, read_nanogpt_bin
 from maester.data.permutation import Permutation, seed_key
+from maester.data.sources import shard_files, source_format  # noqa: F401 (source_format: what importers use)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / phi
 OPEN_SCAN_TOKENS = 1 << 28  # files up to this many tokens are checked whole at open (about 0.3 s per GB)
-
-
-def source_format(cfg: DataSourceConfig) -> str:
-    """The format of a source: as configured, or told by its path (suffix, `.idx` beside it, llm.c header)."""
-    if cfg.format != "auto":
-        return cfg.format
-    path = cfg.path
-    if path.startswith("builtin:") or Path(path).is_dir():
-        return "text"
-    if Path(path + ".idx").is_file():
-        return "indexed"
-    first = sorted(glob.glob(path)) if any(ch in path for ch in "*?[") else [path]
-    if first and first[0].endswith(".bin") and Path(first[0]).is_file():
-        header = np.fromfile(first[0], dtype="<i4", count=1)
-        if len(header) and int(header[0]) == LLMC_MAGIC:
-            return "llmc"
-        raise ValueError(f"data source {path!r}: {first[0]} has no llm.c header; set format = 'nanogpt' for a raw "
-                         f"nanoGPT bin, or give an indexed dataset's prefix without .bin")
-    return "text"
 
 
 def _fingerprint_file(path: Path, h) -> None:
@@ -68,12 +48,9 @@ class TokenSource:
             self.files = [self.indexed.idx_path, self.indexed.bin_path]
             self.pieces = [self.indexed.tokens()]
         else:
-            matches = sorted(glob.glob(cfg.path)) if any(ch in cfg.path for ch in "*?[") else [cfg.path]
-            if not matches or not all(os.path.isfile(m) for m in matches):
-                raise FileNotFoundError(f"data source {cfg.path!r} matches no file")
             read = read_llmc_shard if self.format == "llmc" else read_nanogpt_bin
-            self.files = [Path(m) for m in matches]
-            self.pieces = [read(m) for m in matches]
+            self.files = shard_files(cfg)
+            self.pieces = [read(m) for m in self.files]
         self.token_files = [self.indexed.bin_path] if self.indexed is not None else self.files
         for j, piece in enumerate(self.pieces):  # files up to 2^28 tokens now; larger ones window by window
             if len(piece) <= OPEN_SCAN_TOKENS:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from maester.config import Config, load_config
+from maester.config_sources import NO_JOB_LOCK
 from maester.files import write_atomically
 from maester.jobs.slurm import AFTER_SCRIPT, render_after_script, render_slurm_script
 
@@ -18,6 +20,18 @@ CONFIG_FILE = "config.json"
 
 def is_job_dir(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
+
+
+def refuse_checkpoint(target: str | Path, command: str) -> None:
+    """A checkpoint holds a config.json too, but a command on a job must not take one for a job (`train` would
+    start a new run inside it): refuse it, naming its job."""
+    path = Path(target)
+    if not ((path / ".metadata").is_file() and (path / "trainer_state.json").is_file()):
+        return
+    real = path.resolve()
+    job = real.parent.parent if real.parent.name == "checkpoints" and is_job_dir(real.parent.parent) else None
+    raise ValueError(f"{path} is a checkpoint" + (f" of the job {job}, not a job directory: `maester {command} {job}` "
+                                                    f"acts on the job" if job else ", not a job directory"))
 
 
 def write_job_dir(cfg: Config, job_dir: Path | None = None) -> Path:
@@ -103,8 +117,14 @@ class JobLock:
         import socket
         import time
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            what = "is a directory, not the lock file" if isinstance(e, IsADirectoryError) else \
+                f"cannot be opened for writing ({e.strerror})"
+            raise ValueError(f"{self.path} {what}: a run needs a job directory it can write (its lock, "
+                             f"checkpoints, logs and metrics)") from None
         deadline, waited = time.monotonic() + wait_seconds, False
         while True:
             try:
@@ -143,11 +163,13 @@ class JobLock:
 
         try:
             h = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-            return (f"host {h.get('host')}, pid {h.get('pid')}"
-                    + (f", SLURM job {h['slurm_job_id']}" if h.get("slurm_job_id") else "")
-                    + f", since {h.get('since')}")
         except (ValueError, UnicodeDecodeError):
             return "holder unknown"
+        if not isinstance(h, dict):
+            return "holder unknown"
+        return (f"host {h.get('host')}, pid {h.get('pid')}"
+                + (f", SLURM job {h['slurm_job_id']}" if h.get("slurm_job_id") else "")
+                + f", since {h.get('since')}")
 
     def release(self) -> None:
         if self.fd is not None:
@@ -155,10 +177,29 @@ class JobLock:
             self.fd = None
 
 
+@contextmanager
+def locked_for_writing(job_dir: Path, command: str):
+    """Hold an existing job directory's lock while `command` (not training, which holds it itself) rewrites it: a
+    running job's config.json must not change under it, or its next resume trains with the new values. A job that
+    another process holds is refused before anything is written."""
+    if not is_job_dir(job_dir):
+        yield
+        return
+    try:
+        lock = lock_job_dir(job_dir, 0.0)
+    except JobLocked as e:
+        raise JobLocked(f"maester {command} would rewrite the config of a running job, and does not: {e}") from None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def lock_job_dir(job_dir: Path, requeue_wait_seconds: float) -> JobLock | None:
     """Take the job directory's lock for this run; a requeued SLURM job waits for its predecessor's."""
-    if os.environ.get("MAESTER_NO_JOB_LOCK") == "1":
-        log.warning("MAESTER_NO_JOB_LOCK=1: %s is not locked; two runs of it would overwrite each other", job_dir)
+    if os.environ.get(NO_JOB_LOCK) == "1":
+        log.warning("%s=1: %s is not locked; two runs of it would overwrite each other", NO_JOB_LOCK, job_dir)
         return None
     requeued = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
     lock = JobLock(job_dir)

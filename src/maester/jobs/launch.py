@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from maester.files import point_link
-from maester.jobs.job_dir import is_job_dir
+from maester.jobs.job_dir import is_job_dir, refuse_checkpoint
 
 
 def _tee(source, sinks) -> None:
@@ -27,6 +27,7 @@ def _tee(source, sinks) -> None:
 def launch_local(job_dir: Path, nproc: int = 1) -> int:
     """Train the job in `nproc` local processes; returns torchrun's exit status. Output goes to the console and
     to `logs/local-<time>.out|.err`."""
+    refuse_checkpoint(job_dir, "launch")
     if not is_job_dir(job_dir):
         raise FileNotFoundError(f"{job_dir} is not a job directory (no config.json): create one with "
                                 f"`maester submit CONFIG --no-submit`")

@@ -108,17 +108,19 @@ def _render(cfg: Config, job_dir: Path, workdir: Path | None, packaged: str | No
 
 def check_inputs(cfg: Config) -> list[str]:
     """What would make the job fail at once on the cluster: missing data, tokenizer or init_from paths."""
-    from maester.data.text_files import resolve_files
+    from maester.data.sources import check_source
     from maester.hub import is_hub_id
 
     problems = []
-    for i, source in enumerate(cfg.data.sources):
+    sources = [("sources", i, s, cfg.data.mode) for i, s in enumerate(cfg.data.sources)]
+    sources += [("validation", i, s, "pretrain") for i, s in enumerate(cfg.data.validation)]
+    for key, i, source, mode in sources:
         if source.path.startswith("builtin:"):
             continue
         try:
-            resolve_files(source)
+            check_source(source, mode)  # the files found as training finds them (indexed, llm.c, text, Hub)
         except (FileNotFoundError, ValueError) as e:
-            problems.append(f"data.sources[{i}].path: {e}")
+            problems.append(f"data.{key}[{i}].path: {e}")
     if cfg.tokenizer.path is not None and not Path(cfg.tokenizer.path).exists() and not is_hub_id(cfg.tokenizer.path):
         problems.append(f"tokenizer.path: {cfg.tokenizer.path} does not exist")
     if cfg.checkpoint.init_from:
@@ -173,10 +175,34 @@ def recorded_jobs(job_dir: Path) -> list[dict]:
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not valid JSON ({e})") from None
+            problem = _record_problem(record)
+            if problem:
+                raise ValueError(f"{path}:{i}: not a job record: {problem}")
+            records.append(record)
     return records
+
+
+RECORD_FIELDS = {"restart": {"restart": int, "exit_code": int, "cause": str}, "after": {"step": int}}
+"""What each kind of record (`event`) holds besides its `job_id`, for `status`, `cancel` and `max_restarts`."""
+
+
+def _record_problem(record) -> str | None:
+    """What is wrong with one line of `slurm_jobs.jsonl`, or None."""
+    if not isinstance(record, dict):
+        return f"expected an object, got {type(record).__name__}"
+    job_id = record.get("job_id")
+    if not isinstance(job_id, str) or not job_id.replace("_", "").isdigit():
+        return f"'job_id' must be a SLURM job id (digits), got {job_id!r}"
+    event = record.get("event", "submit")
+    if event not in ("submit", *RECORD_FIELDS):
+        return f"unknown event {event!r}"
+    for key, kind in RECORD_FIELDS.get(event, {}).items():
+        if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
+            return f"a {event!r} record needs {key!r} ({kind.__name__}), got {record.get(key)!r}"
+    return None
 
 
 def training_jobs(records: list[dict]) -> list[dict]:
@@ -233,11 +259,15 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
 
 
 def cancel_jobs(job_ids: list[str]) -> list[str]:
-    """`scancel` those of `job_ids` still queued or running; returns them."""
+    """`scancel` those of `job_ids` still queued or running; returns them. Without SLURM's tools on PATH nothing can
+    be known or cancelled: an error, not "nothing running"."""
+    missing = [tool for tool in ("squeue", "scancel") if shutil.which(tool) is None]
+    if missing:
+        raise SubmitError(f"{' and '.join(missing)} not on PATH: SLURM cannot be reached from here, so the job's "
+                          f"SLURM jobs ({', '.join(dict.fromkeys(job_ids))}) are neither known nor cancelled; run "
+                          f"this on a login node of the cluster")
     active = [j for j in dict.fromkeys(job_ids) if slurm_state(j) in ACTIVE_STATES]
     if active:
-        if shutil.which("scancel") is None:
-            raise SubmitError("scancel is not on PATH: this machine is not a SLURM login node")
         out = subprocess.run(["scancel", *active], capture_output=True, text=True)
         if out.returncode != 0:
             raise SubmitError(f"scancel {' '.join(active)} failed: {out.stderr.strip() or out.stdout.strip()}")

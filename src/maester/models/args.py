@@ -101,12 +101,13 @@ class TransformerArgs(BaseModel):
     n_heads: int
     n_kv_heads: int
     ffn_hidden_dim: int
-    # None: take the tokenizer's vocabulary size, rounded up to a multiple of 64.
-    vocab_size: int | None = None
+    vocab_size: int | None = Field(None, le=2**31 - 1)
+    """None: the tokenizer's vocabulary size, rounded up to a multiple of 64. At most 2^31 - 1: token ids are
+    int32 in every dataset format."""
     head_dim: int | None = None  # None: dim // n_heads
     norm: Literal["rms", "rms_offset", "layer"] = "rms"
     """`rms`: RMSNorm scaled by w; `rms_offset`: RMSNorm scaled by (1 + w) (Gemma); `layer`: LayerNorm with bias."""
-    norm_eps: float = 1e-5
+    norm_eps: float = Field(1e-5, gt=0, allow_inf_nan=False)
     norm_placement: Literal["pre", "post", "sandwich"] = "pre"
     """Where each block normalises: `pre` the sublayer's input (Llama), `post` its output before the residual
     add (OLMo 2), `sandwich` both (Gemma)."""
@@ -120,7 +121,7 @@ class TransformerArgs(BaseModel):
     """`swiglu`: down(silu(gate(x)) * up(x)); `geglu`: the same with tanh-GELU (Gemma); `gelu`: down(gelu(up(x)))
     with exact GELU (GPT-NeoX)."""
     mlp_bias: bool = False
-    rope_theta: float = 500000.0
+    rope_theta: float = Field(500000.0, gt=0, allow_inf_nan=False)
     rope_scaling: RopeScaling | None = None
     rotary_fraction: float = 1.0  # the leading fraction of each head's dims that RoPE rotates (GPT-NeoX: 0.25)
     sliding_window: int | None = None
@@ -128,7 +129,7 @@ class TransformerArgs(BaseModel):
     sliding_window_pattern: int = 0
     """With a sliding window: every `sliding_window_pattern`-th layer (the 6th, 12th, ... for 6) is global and
     the others slide; 0: every layer slides."""
-    local_rope_theta: float | None = None
+    local_rope_theta: float | None = Field(None, gt=0, allow_inf_nan=False)
     """RoPE base of the sliding-window layers, unscaled (Gemma 3: 10,000). None: the global RoPE."""
     query_pre_attn_scalar: float | None = None  # attention scale is its inverse square root; None: head_dim
     attn_logit_softcap: float | None = Field(None, gt=0)

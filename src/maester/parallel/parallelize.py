@@ -18,6 +18,7 @@ from maester.models.moe import MoEFeedForward, moe_layers
 from maester.parallel.context_parallel import apply_context_parallel
 from maester.parallel.dims import ParallelDims
 from maester.parallel.expert_parallel import apply_expert_parallel, moe_tensor_parallel_plan
+from maester.parallel.float8 import tensor_parallel_style
 from maester.parallel.precision import DTYPES, Precision, resolve_precision
 
 
@@ -27,7 +28,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
     if dims.cp > 1:
         apply_context_parallel(model, dims.mesh["cp"])
     if dims.tp > 1:
-        apply_tensor_parallel(model, dims.mesh["tp"])
+        apply_tensor_parallel(model, dims.mesh["tp"], float8_comms=device.type == "cuda")
     if dims.ep > 1:
         apply_expert_parallel(model, dims.mesh["ep", "tp"] if dims.tp > 1 else dims.mesh["ep"])
     if cfg.activation_checkpointing != "none":
@@ -51,13 +52,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, devic
     return model
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True,
+                          float8_comms: bool = False) -> None:
     """Megatron-style TP over the heads and the MLP's hidden width, with a vocabulary-sharded embedding and head.
     With `sequence_parallel` (training), the activations between blocks are split along the sequence and the
     logits stay vocabulary-sharded for loss parallel. Without it (generation, where a decoding step has one token
     to split), the same plan keeps the activations whole on every rank (the block outputs are all-reduced) and the
     logits come out gathered (untied head) or as a vocabulary-sharded DTensor (tied head): torchtitan's generation
-    script applies the same "TP minus SP"."""
+    script applies the same "TP minus SP". `float8_comms`: the float8 layers of the blocks (tensorwise) take torchao's
+    float8 TP styles (`float8.tensor_parallel_style`; GPUs only)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     # A pipeline stage lacks the modules of the other stages (None): they have no plan.
@@ -70,7 +73,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
         # vocabulary-sharded logits (Shard(-1)) for loss_parallel, as ColwiseParallel gives an untied head.
         model.norm.register_forward_hook(_replicate_output if sequence_parallel else partial(_as_replicated, tp_mesh))
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel, float8_comms))
 
 
 def _replicate_output(module, args, out):
@@ -103,7 +106,7 @@ def _root_plan(model: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
-def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
+def _block_plan(block: nn.Module, sequence_parallel: bool, float8_comms: bool = False) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -112,30 +115,30 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
         SequenceParallel,
     )
 
+    def style(cls: type, *names: str) -> type:  # torch's style, or torchao's float8 one for float8 layers
+        return tensor_parallel_style(cls, [block.get_submodule(n) for n in names], float8_comms)
+
+    colwise = lambda name, **kw: style(ColwiseParallel, name)(**kw)  # noqa: E731
+    rowwise = lambda name, **kw: style(RowwiseParallel, name)(**kw)  # noqa: E731
     between_blocks = Shard(1) if sequence_parallel else Replicate()
-    # Under SP each branch gathers its sequence-sharded input first (the same plan order as before SP was optional).
-    gather = {
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                        desired_input_layouts=(Replicate(), None, None, None)),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    } if sequence_parallel else {}
-    plan = {
-        **({"attention": gather["attention"]} if gather else {}),
-        "attention.q_proj": ColwiseParallel(),
-        "attention.k_proj": ColwiseParallel(),
-        "attention.v_proj": ColwiseParallel(),
-        "attention.o_proj": RowwiseParallel(output_layouts=between_blocks),
-    }
+    readers = ["attention.q_proj", "attention.k_proj", "attention.v_proj"]
+    plan = {}
+    # Under SP each branch gathers its sequence-sharded input first (in float8 where every reader is float8).
+    if sequence_parallel:
+        plan["attention"] = style(PrepareModuleInput, *readers)(
+            input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None))
+    plan.update({name: colwise(name) for name in readers})
+    plan["attention.o_proj"] = rowwise("attention.o_proj", output_layouts=between_blocks)
     if isinstance(block.feed_forward, MoEFeedForward):
         plan.update(moe_tensor_parallel_plan(block.feed_forward, "feed_forward", sequence_parallel))
     else:
-        plan.update({
-            **({"feed_forward": gather["feed_forward"]} if gather else {}),
-            "feed_forward.up_proj": ColwiseParallel(),
-            "feed_forward.down_proj": RowwiseParallel(output_layouts=between_blocks),
-        })
-        if hasattr(block.feed_forward, "gate_proj"):
-            plan["feed_forward.gate_proj"] = ColwiseParallel()
+        readers = ["feed_forward.up_proj"] + (["feed_forward.gate_proj"] if hasattr(block.feed_forward, "gate_proj")
+                                              else [])
+        if sequence_parallel:
+            plan["feed_forward"] = style(PrepareModuleInput, *readers)(input_layouts=(Shard(1),),
+                                                                       desired_input_layouts=(Replicate(),))
+        plan.update({name: colwise(name) for name in readers})
+        plan["feed_forward.down_proj"] = rowwise("feed_forward.down_proj", output_layouts=between_blocks)
     if sequence_parallel:
         # Norms see sequence-sharded activations (absent ones are nn.Identity); a post-norm's output joins the
         # residual stream, which is a plain (sequence-sharded) tensor.

@@ -7,23 +7,23 @@ fetched into `DIR/.partial-download/` (hidden: a source pointed at DIR never rea
 renamed once whole, and moved into DIR only when all are there; the manifest `DIR/.download.json` (repository,
 commit, source, each file's size and sha256) is written last, so DIR with a manifest is a complete download. A run
 that was stopped continues with the files it finished. DIR must be empty, new, or hold this same download (same
-source at the same commit: nothing is fetched again); anything else is refused rather than mixed.
+source at the same commit: nothing is fetched again, and every file is checked against its sha256 in the manifest
+unless `verify` is off); anything else is refused rather than mixed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from maester.data.downloads import MANIFEST, check_download, sha256_of
 from maester.data.hub_datasets import HubDatasetPath, HubFile, fs_path, network_errors, resolve_hub_files
 from maester.files import AtomicOutputs, fsync_dir, read_json_object, write_atomically
 from maester.hub import hub_offline, import_hub
 
-MANIFEST = ".download.json"
 PARTIAL = ".partial-download"
 
 
@@ -44,7 +44,7 @@ class DownloadSummary:
                 f"source={where.local_source(str(self.output))!r}")
 
 
-def download(source: str, output: str | os.PathLike) -> DownloadSummary:
+def download(source: str, output: str | os.PathLike, verify: bool = True) -> DownloadSummary:
     """Fetch the files of the Hub source `source` into `output`; see the module's docstring."""
     where = HubDatasetPath.parse(source)
     hub = import_hub("maester data download")
@@ -54,7 +54,7 @@ def download(source: str, output: str | os.PathLike) -> DownloadSummary:
     files = resolve_hub_files(source, parquet_only=False)
     out = Path(output)
     summary = DownloadSummary(source, out, files[0].commit)
-    if _same_download_there(out, where, files):
+    if _same_download_there(out, where, files, verify):
         summary.files = read_json_object(out / MANIFEST)["files"]
         return summary
     partial = out / PARTIAL
@@ -66,7 +66,7 @@ def download(source: str, output: str | os.PathLike) -> DownloadSummary:
             summary.fetched += _fetch(fs, hub, f, partial / f.path)
             bar.update(f.size)
     for f in files:
-        summary.files.append({"path": f.path, "size": f.size, "sha256": _sha256(partial / f.path)})
+        summary.files.append({"path": f.path, "size": f.size, "sha256": sha256_of(partial / f.path)})
     for f in files:
         (out / f.path).parent.mkdir(parents=True, exist_ok=True)
         os.replace(partial / f.path, out / f.path)
@@ -78,9 +78,10 @@ def download(source: str, output: str | os.PathLike) -> DownloadSummary:
     return summary
 
 
-def _same_download_there(out: Path, where: HubDatasetPath, files: list[HubFile]) -> bool:
-    """True when `out` holds this download already; an error when it holds anything else but an unfinished run's
-    files; False when there is something to fetch."""
+def _same_download_there(out: Path, where: HubDatasetPath, files: list[HubFile], verify: bool) -> bool:
+    """True when `out` holds this download already, its files as the manifest lists them (sizes; with `verify`,
+    sha256s); an error when it holds anything else but an unfinished run's files; False when there is something to
+    fetch."""
     if not out.exists():
         return False
     if not out.is_dir():
@@ -93,11 +94,7 @@ def _same_download_there(out: Path, where: HubDatasetPath, files: list[HubFile])
             raise ValueError(f"--output {out} holds another download ({had.get('source')} at commit "
                              f"{had.get('commit')}), not {where.source} at commit {files[0].commit}: give an empty "
                              f"or new directory")
-        missing = [f["path"] for f in had["files"] if not (out / f["path"]).is_file()
-                   or (out / f["path"]).stat().st_size != f["size"]]
-        if missing:
-            raise ValueError(f"--output {out}: the download's {missing[0]} is missing or of another size; remove "
-                             f"{out} and download again")
+        check_download(out, had["files"], hashes=verify)
         return True
     others = sorted(p.name for p in out.iterdir() if p.name != PARTIAL)
     if others:
@@ -119,11 +116,3 @@ def _fetch(fs, hub, f: HubFile, dest: Path) -> int:
         if tmp.stat().st_size != f.size:
             raise ValueError(f"{f}: fetched {tmp.stat().st_size} bytes, the Hub lists {f.size}")
     return 1
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -64,6 +64,9 @@ def _open(path: str, tok: Tokenizer | None, text_key: str, split_on_blank_lines:
         labels = _label_dataset(prefix)
         if labels is not None:
             header += f"; labels from {labels.prefix} (-100: not trained)"
+            refusal = _refusal(prefix, labels.prefix, tok)
+            if refusal:
+                header += f"\nTRAINING REFUSES THIS DATASET: {refusal}"
         return header, _indexed_documents(ds, labels)
     file = Path(path)
     if file.is_file() and input_format(file) == "parquet" and TOKEN_COLUMN in parquet_columns(file):
@@ -87,6 +90,18 @@ def _label_dataset(prefix: str):
         return None
     labels = prefix[:-len(TEXT_DOCUMENT)] + LABEL_DOCUMENT
     return open_pair(prefix, labels)[1] if Path(f"{labels}.idx").is_file() else None
+
+
+def _refusal(text_prefix: str, label_prefix: str, tok: Tokenizer | None) -> str | None:
+    """Why `data.mode = "sft"` training refuses this pair (`sft_indexed.check_pair`: labels, token ids against the
+    tokenizer's vocabulary when one is given, sequences that train nothing), or None."""
+    from maester.data.sft_indexed import check_pair
+
+    try:
+        check_pair(text_prefix, label_prefix, None if tok is None else tok.vocab_size)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def trained_in(labels: np.ndarray) -> int:

@@ -344,15 +344,19 @@ def indexed_prefixes(inputs: Sequence[str]) -> list[str] | None:
     return found
 
 
-def count_indexed(prefixes: Sequence[str], output: str | None = None) -> Summary:
+def count_indexed(prefixes: Sequence[str], output: str | None = None, vocab_size: int | None = None,
+                  skip_invalid: bool = False) -> Summary:
     """The tokens of every sequence of existing indexed datasets, from their index (as GPT-NeoX's
     `count_tokens.py`); with `output`, one count per line there. Beside a label dataset (`_label_document`), the
-    tokens it trains are counted too, and each line of `output` is `tokens trained`."""
+    tokens it trains are counted too, after the checks training makes of the pair (`sft_indexed.check_pair`, with
+    the tokenizer's vocabulary when given): what training refuses is an error here too (with `skip_invalid`, the
+    sequences that train nothing are counted as `nothing_to_train`); each line of `output` is then `tokens trained`."""
     from maester.data.indexed import IndexedDataset
-    from maester.data.sft_indexed import LABEL_DOCUMENT, TEXT_DOCUMENT, open_pair, trained_per_sequence
+    from maester.data.sft_indexed import (LABEL_DOCUMENT, TEXT_DOCUMENT, check_pair, open_pair,
+                                          trained_per_sequence)
 
     summary = Summary("count", tokens=0)
-    longest, trained = 0, None
+    longest, trained, untrained = 0, None, 0
     with Progress("count", summary) as progress, AtomicOutputs() as outputs:
         out = open(outputs.temp_for(Path(output)), "w") if output else None
         try:
@@ -360,6 +364,7 @@ def count_indexed(prefixes: Sequence[str], output: str | None = None) -> Summary
                 labels = prefix[:-len(TEXT_DOCUMENT)] + LABEL_DOCUMENT if prefix.endswith(TEXT_DOCUMENT) else None
                 per_sequence = None
                 if labels is not None and Path(f"{labels}.idx").is_file():
+                    untrained += int((~check_pair(prefix, labels, vocab_size, skip_invalid)[3]).sum())
                     ds, label_ds = open_pair(prefix, labels)
                     per_sequence = trained_per_sequence(label_ds)
                     trained = (trained or 0) + int(per_sequence.sum())
@@ -378,6 +383,8 @@ def count_indexed(prefixes: Sequence[str], output: str | None = None) -> Summary
                      "max": longest}
     if trained is not None:
         summary.extra["trained"] = trained
+    if untrained:
+        summary.extra["nothing_to_train"] = untrained
     if output:
         summary.extra["output"] = output
     return summary
@@ -393,7 +400,8 @@ def count(inputs: Sequence[str], tokenizer: TokenizerConfig | None, *, output: s
         raise ValueError(f"--output {output} is a directory: give the file to write the counts to")
     prefixes = indexed_prefixes(inputs)
     if prefixes is not None:
-        return count_indexed(prefixes, output)
+        vocab = None if tokenizer is None else build_tokenizer(tokenizer).vocab_size
+        return count_indexed(prefixes, output, vocab, skip_invalid)
     if tokenizer is None:
         raise ValueError("--tokenizer is needed to count the tokens of documents (not of an indexed dataset)")
     reader = RecordReader(inputs, text_key=text_key, skip_invalid=skip_invalid,

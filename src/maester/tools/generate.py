@@ -13,7 +13,7 @@ from torch import nn
 
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer, build_tokenizer
-from maester.tools.sampling import sample, sample_batch
+from maester.tools.sampling import check_sampling, sample, sample_batch
 from maester.train.checkpoint import resolve_checkpoint
 from maester.train.checkpoint_files import load_model_weights
 
@@ -178,8 +178,10 @@ class Completer:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, cfg: Config, *, chat: bool = False,
                  max_new_tokens: int = 200, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int = 0):
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed, model.args.max_seq_len)
         self.model, self.tokenizer, self.cfg, self.chat = model, tokenizer, cfg, chat
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                             vocab_size=tokenizer.vocab_size)
         self.max_new_tokens = max_new_tokens
         self._encoder = None
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from maester.config import Config
+from maester.jobs.job_dir import refuse_checkpoint
 from maester.jobs.slurm import (ACTIVE_STATES, cancel_jobs, describe_restarts, recorded_jobs, slurm_states,
                                 training_jobs)
 from maester.train.checkpoint_dirs import newest_complete
@@ -27,9 +28,10 @@ def job_ids(records: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["job_id"] for r in records))
 
 
-def _job_dir(job_dir: Path) -> Path:
-    """`job_dir` as a Path; FileNotFoundError unless it holds a job's config.json."""
+def _job_dir(job_dir: Path, command: str) -> Path:
+    """`job_dir` as a Path; FileNotFoundError unless it holds a job's config.json, ValueError for a checkpoint."""
     job_dir = Path(job_dir)
+    refuse_checkpoint(job_dir, command)
     if not (job_dir / "config.json").is_file():
         raise FileNotFoundError(f"{job_dir / 'config.json'} does not exist: {job_dir} is not a job directory")
     return job_dir
@@ -37,7 +39,7 @@ def _job_dir(job_dir: Path) -> Path:
 
 def status_items(job_dir: Path, now: float | None = None) -> list[tuple[str, str]]:
     """(label, text) pairs: SLURM, status, step, loss, remaining, checkpoint, stops, restarts, post-processing."""
-    job_dir = _job_dir(job_dir)
+    job_dir = _job_dir(job_dir, "status")
     cfg = Config.from_json_file(job_dir / "config.json")
     now = time.time() if now is None else now
     records = recorded_jobs(job_dir)
@@ -116,7 +118,7 @@ def format_status(job_dir: Path, items: list[tuple[str, str]]) -> str:
 def cancel(job_dir: Path) -> list[str]:
     """`scancel` the job's SLURM jobs still queued or running (links of a chain, a restart, the post-processing
     job); returns their ids. The trainer takes the SIGTERM to save a checkpoint first, as on a preemption."""
-    job_dir = _job_dir(job_dir)
+    job_dir = _job_dir(job_dir, "cancel")
     records = recorded_jobs(job_dir)
     if not records:
         raise FileNotFoundError(f"{job_dir / 'slurm_jobs.jsonl'} does not exist: the job was never submitted")

@@ -59,6 +59,9 @@ def write_report(job_dir: Path, out: Path | None = None, now: float | None = Non
     status = job_status(job_dir, cfg, train, now)
     summary = format_summary(job_dir, summary_items(job_dir, cfg, train, evals, status))
     out = Path(out) if out else job_dir / "report.png"
+    if out.parent.is_dir() and not os.access(out.parent, os.W_OK):
+        why = "Read-only file system" if os.statvfs(out.parent).f_flag & os.ST_RDONLY else "no permission"
+        raise ValueError(f"{out.parent} cannot be written ({why}): write the report elsewhere with --out FILE.png")
     text = out.with_suffix(".txt")
     with AtomicOutputs() as outputs:
         draw_dashboard(job_dir, cfg, train, evals, status, outputs.temp_for(out))

@@ -3,6 +3,7 @@ one length and decoded together with the same tokens as one at a time."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -12,26 +13,29 @@ from torch import nn
 @torch.no_grad()
 def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
-           stop_ids: set[int] = frozenset(), on_token: Callable[[int], None] | None = None) -> list[int]:
+           stop_ids: set[int] = frozenset(), on_token: Callable[[int], None] | None = None,
+           vocab_size: int | None = None) -> list[int]:
     """Continue `prompt` with a KV cache: one forward over the prompt, then one per new token. Temperature 0
     is greedy; otherwise sample from the temperature-scaled distribution cut to the `top_k` most likely
     tokens and to the smallest set holding `top_p` of the probability. Stops after `max_new_tokens`, at the
     model's context length, at EOS or at any of `stop_ids` (a chat template's end of turn). `on_token` is called
-    with each new token as it is chosen (streaming)."""
+    with each new token as it is chosen (streaming). Only ids below `vocab_size` (the tokenizer's vocabulary; the
+    embedding may have padding rows beyond it) are ever chosen."""
     stream = None if on_token is None else (lambda row, token: on_token(token))
     return sample_batch(model, [prompt], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_id=eos_id, seed=seed, stop_ids=stop_ids, on_token=stream)[0]
+                        eos_id=eos_id, seed=seed, stop_ids=stop_ids, on_token=stream, vocab_size=vocab_size)[0]
 
 
 @torch.no_grad()
 def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
-                 stop_ids: set[int] = frozenset(),
-                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+                 stop_ids: set[int] = frozenset(), on_token: Callable[[int, int], None] | None = None,
+                 vocab_size: int | None = None) -> list[list[int]]:
     """`sample` for each of `prompts` at once: they are left-padded to the longest (the padding masked out, each
     row's positions counted from its first token), each row stops on its own, and each samples from its own
     generator seeded with `seed`, so a prompt gets the tokens it gets alone. `on_token(row, token)`: streaming."""
     context = model.args.max_seq_len
+    check_sampling(max_new_tokens, temperature, top_k, top_p, seed, context)
     for prompt in prompts:
         if not prompt:
             raise ValueError("generation needs a prompt of at least one token")
@@ -61,7 +65,7 @@ def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int
         for row in range(len(prompts)):
             if done[row]:
                 continue
-            token = _pick(logits[row].float(), temperature, top_k, top_p, generators[row])
+            token = _pick(logits[row, :vocab_size].float(), temperature, top_k, top_p, generators[row])
             if token in stop:
                 done[row] = True
                 continue
@@ -77,6 +81,25 @@ def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int
         if positions is not None:
             positions = positions + 1
     return out
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None, seed: int,
+                   context: int | None = None) -> None:
+    """Refuse sampling settings that mean nothing (named as the `generate` and `chat` options name them), and more
+    new tokens than the model's `context` can ever hold."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}")
+    if context is not None and max_new_tokens >= context:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} tokens, prompt "
+                         f"included, so at most {context - 1} new tokens can follow a prompt")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"--temperature must be a finite number, 0 (greedy) or more, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"--top-k must be at least 1, got {top_k}")
+    if top_p is not None and not (0 < top_p <= 1):
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    if seed < 0:
+        raise ValueError(f"--seed must be 0 or more, got {seed}")
 
 
 def _new_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype):

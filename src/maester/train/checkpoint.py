@@ -29,9 +29,6 @@ import logging
 import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,12 +41,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from maester.config import LOAD_MODES, CheckpointConfig
+from maester.config import LOAD_MODES, PARTIAL_LOAD_MODES, CheckpointConfig
 from maester.files import fsync_dir, point_link, write_durably
+from maester.train.checkpoint_async import BackgroundSaves, Phases, SaveResult, without_zip_crc32
 from maester.train.checkpoint_files import (
     DAMAGED, MANIFEST, STEP_DIR, TRAINER_STATE, capture_rng_state, dcp_load, describe_files,
-    has_optimizer_state, is_complete, load_model_weights, read_rng_state, read_trainer_state, restore_rng_state,
-    single_process_ok, step_dirs, verify_checkpoint,
+    has_optimizer_state, is_complete, load_model_weights, match_model, read_rng_state, read_trainer_state,
+    restore_rng_state, single_process_ok, step_dirs, verify_checkpoint,
 )
 from maester.train.faults import maybe_crash, maybe_hang
 
@@ -68,19 +66,23 @@ log = logging.getLogger("maester")
 
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, level: str = "size") -> Path:
     """A checkpoint directory from a checkpoint path, a `checkpoints/` directory or a job directory (its newest
-    `step-<N>` that matches its manifest's sizes; damaged ones are skipped with a warning, not moved)."""
+    `step-<N>` that passes its manifest check at `level`; damaged ones are skipped with a warning, not moved). A
+    checkpoint named directly is refused when it fails the check."""
     path = Path(path)
     if path.is_dir() and (path / ".metadata").is_file():
         real = path.resolve()
         if not is_complete(real):
             raise ValueError(f"checkpoint {path} is incomplete (no {TRAINER_STATE} or .metadata)")
+        problems = verify_everywhere(real, level)
+        if problems:
+            raise ValueError(f"checkpoint {path} fails its manifest check ({level}): {'; '.join(problems)}")
         return real
     for directory in (path, path / "checkpoints"):
         steps = step_dirs(directory)
         for step in steps:
-            problems = verify_checkpoint(step, "size")
+            problems = verify_everywhere(step, level)
             if not problems:
                 return step.resolve()
             log.warning("skipping the damaged checkpoint %s: %s", step, "; ".join(problems))
@@ -91,75 +93,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
                             f"and in its checkpoints/)")
 
 
-@dataclass
-class SaveResult:
-    """How one save went, for the metrics. `background`: written by the save's thread while training went on.
-    `blocked_seconds`: the loop's time in `save` (the wait for the previous save,
-    the state dict, staging, and a synchronous save's write). `write_seconds`: from the first DCP file to `latest`
-    moved; `phases` splits it. `error`: why the save failed (None: the checkpoint is complete)."""
-
-    step: int
-    path: Path
-    background: bool
-    blocked_seconds: float = 0.0
-    write_seconds: float | None = None
-    phases: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-
-    def event(self) -> dict:
-        """Its metrics.jsonl line: `checkpoint` (complete) or `checkpoint_failed`, at the checkpoint's step."""
-        record = {"event": "checkpoint" if self.error is None else "checkpoint_failed", "step": self.step,
-                  "checkpoint": self.path.name, "background": self.background,
-                  "checkpoint_blocked_seconds": round(self.blocked_seconds, 4)}
-        if self.write_seconds is not None:
-            record["checkpoint_write_seconds"] = round(self.write_seconds, 4)
-        if self.error is not None:
-            record["error"] = self.error
-        return record
-
-
-class _Phases:
-    """Seconds per part of a write, into `SaveResult.phases`."""
-
-    def __init__(self, result: SaveResult):
-        self.result = result
-        self.start = self.last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.result.phases[name] = now - self.last
-        self.last = now
-
-    def total(self) -> float:
-        return self.last - self.start
-
-
-def resolve_async_mode(setting: str, device_type: str) -> str:
-    """`checkpoint.async_mode` for a run on `device_type`: `auto` is `async` on CUDA (the staging copy from the GPU
-    is several times faster than the disk) and `off` elsewhere; `pinned` needs CUDA and is refused elsewhere."""
-    if setting == "auto":
-        return "async" if device_type == "cuda" else "off"
-    if setting == "pinned" and device_type != "cuda":
-        raise ValueError(f"checkpoint.async_mode = 'pinned' stages checkpoints in page-locked host memory for fast "
-                         f"copies from a GPU, which needs CUDA; this run trains on {device_type}: use 'async' "
-                         f"(staging in ordinary host memory) or 'off'")
-    return setting
-
-
-def background_group(async_mode: str, timeout_s: float):
-    """A gloo group of all ranks for the collectives of background writes, apart from the training's, so that the
-    loop and the writing thread never share a group (torchtitan's CheckpointManager and OLMo-core's checkpointer
-    make one too); None in one process or with `async_mode` off. A collective call: every rank makes it."""
+def verify_everywhere(path: Path, level: str) -> list[str]:
+    """`verify_checkpoint` of `path` with every process of the job reading its share of the files (a collective
+    where a process group exists: a full check of a large checkpoint reads it once over all ranks, not once on rank
+    0); every rank gets all the problems found."""
     import torch.distributed as dist
 
-    if async_mode == "off" or not (dist.is_initialized() and dist.get_world_size() > 1):
-        return None
-    from datetime import timedelta
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return verify_checkpoint(path, level)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, verify_checkpoint(path, level, share=(rank, world)))
+    return [problem for part in gathered for problem in part]
 
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
-
-class Checkpointer:
+class Checkpointer(BackgroundSaves):
     """Saves, finds and loads the checkpoints of a job. `async_mode` (`checkpoint.async_mode` resolved by
     `resolve_async_mode`) says how `save(background=True)` writes; `group`, the process group of the writes'
     collectives (None: the default group; `background_group` makes one for background writes)."""
@@ -167,50 +115,10 @@ class Checkpointer:
     def __init__(self, job_dir: Path, cfg: CheckpointConfig, rank: int = 0, async_mode: str = "off", group=None):
         self.dir = Path(job_dir) / "checkpoints"
         self.cfg, self.rank = cfg, rank
-        self.async_mode, self.group = async_mode, group
-        self.finished: list[SaveResult] = []
-        """The saves that ended, complete or failed, since the caller last emptied the list."""
-        self._in_flight: tuple[SaveResult, Future] | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._stager = None  # DCP's stager, which keeps its buffers from save to save
-
-    def poll(self) -> None:
-        """Collect the background save into `finished` if it has ended; never waits."""
-        if self._in_flight is not None and self._in_flight[1].done():
-            self._collect()
-
-    def wait(self) -> None:
-        """Wait for the background save, if one is in flight, and collect it into `finished`."""
-        if self._in_flight is not None:
-            if not self._in_flight[1].done():
-                log.info("waiting for the background write of %s", self._in_flight[0].path.name)
-            self._collect()
-
-    def collect(self, wait: bool = False) -> list[SaveResult]:
-        """The saves that ended (`poll`; `wait`: the one in flight too), taken out of `finished`."""
-        self.wait() if wait else self.poll()
-        done, self.finished = self.finished, []
-        return done
-
-    def close(self) -> None:
-        """Wait for the background save, then release the thread and the staging buffers."""
-        try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
-
-    def _collect(self) -> None:
-        result, future = self._in_flight
-        try:
-            future.result()
-        finally:
-            self._in_flight = None
-        self.finished.append(result)
+        super().__init__(async_mode)
+        self.group = group
+        self.hold_retention = False
+        """Saves delete no older checkpoint while set (the first steps after a load, until they prove the model)."""
 
     def _write_in_background(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
         """`_write` in the save's thread; its outcome is logged at once (the loop may be busy for a while) and kept
@@ -230,48 +138,63 @@ class Checkpointer:
         return next((p for p in step_dirs(self.dir) if is_complete(p)), None)
 
     def resume_point(self) -> tuple[Path | None, list[dict]]:
-        """The checkpoint to resume from, as rank 0 finds it, on every rank (a collective): the newest `step-<N>`
-        that passes its manifest check (`checkpoint.verify`). Newer damaged ones are moved aside to
-        `step-<N>.damaged`; they come back as records ({checkpoint, moved_to, problems}) for the metrics. Ranks
-        that each looked could disagree right after a requeue, where a shared filesystem caches per node."""
+        """The checkpoint to resume from, the same on every rank (a collective): the newest `step-<N>` that passes
+        its manifest check (`checkpoint.verify`), every rank reading its share of the files for a full check. Rank 0
+        lists the candidates (ranks that each looked could disagree right after a requeue, where a shared filesystem
+        caches per node), moves damaged ones aside to `step-<N>.damaged` and repoints `latest`; the damaged ones
+        come back as records ({checkpoint, moved_to, problems}) for the metrics."""
+        candidates = self._broadcast_from_rank_zero(self._candidates)
+        damaged: list[dict] = []
+        for name in candidates:
+            path = self.dir / name
+            problems = verify_everywhere(path, self.cfg.verify)
+            if not problems:
+                self._broadcast_from_rank_zero(lambda: self._point_latest_if_elsewhere(path))
+                return path, damaged
+            aside = self._broadcast_from_rank_zero(lambda: self._move_aside(path).name)
+            log.error("CHECKPOINT DAMAGED: %s fails its manifest check (%s); moved aside to %s", path,
+                      "; ".join(problems), aside)
+            damaged.append({"checkpoint": name, "moved_to": aside, "problems": problems})
+        self._broadcast_from_rank_zero(lambda: self._no_intact_checkpoint(damaged))
+        return None, damaged
+
+    def _broadcast_from_rank_zero(self, work):
+        """`work()` run on rank 0, its value (or its ValueError or OSError, raised as a ValueError) on every rank."""
         import torch.distributed as dist
 
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self._find_resume_point()
         box: list = [None]
         if self.rank == 0:
             try:
-                found, damaged = self._find_resume_point()
-                box[0] = ("ok", None if found is None else str(found), damaged)
+                box[0] = ("ok", work())
             except (ValueError, OSError) as e:
-                box[0] = ("error", str(e), None)
-        dist.broadcast_object_list(box, src=0)
-        kind, value, damaged = box[0]
+                box[0] = ("error", str(e))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
         if kind == "error":
             raise ValueError(value)
-        return (None if value is None else Path(value)), damaged
+        return value
 
-    def _find_resume_point(self) -> tuple[Path | None, list[dict]]:
+    def _candidates(self) -> list[str]:
+        """The `step-<N>` names to try, newest first, after the checks that fail a resume at once."""
         link = self.dir / "latest"
         if link.is_dir() and not link.is_symlink():
             raise ValueError(f"{link} is a directory, not a link (a copy made with cp -a, cp -L or rsync -L): the "
                              f"step-N directories beside it are the checkpoints. Remove it, or rename it to the "
                              f"step-N its {TRAINER_STATE} names if that checkpoint is not beside it")
         self._check_writable()
-        damaged = []
-        for path in step_dirs(self.dir):
-            problems = verify_checkpoint(path, self.cfg.verify)
-            if not problems:
-                if not (link.is_symlink() and os.readlink(link) == path.name):
-                    log.warning("%s %s; resuming from the newest intact checkpoint %s and pointing the link at it",
-                                link, f"points to {os.readlink(link)}" if link.is_symlink() else "is missing",
-                                path.name)
-                    self._point_latest_to(path)
-                return path, damaged
-            aside = self._move_aside(path)
-            log.error("CHECKPOINT DAMAGED: %s fails its manifest check (%s); moved aside to %s", path,
-                      "; ".join(problems), aside.name)
-            damaged.append({"checkpoint": path.name, "moved_to": aside.name, "problems": problems})
+        return [p.name for p in step_dirs(self.dir)]
+
+    def _point_latest_if_elsewhere(self, path: Path) -> None:
+        link = self.dir / "latest"
+        if not (link.is_symlink() and os.readlink(link) == path.name):
+            log.warning("%s %s; resuming from the newest intact checkpoint %s and pointing the link at it",
+                        link, f"points to {os.readlink(link)}" if link.is_symlink() else "is missing", path.name)
+            self._point_latest_to(path)
+
+    def _no_intact_checkpoint(self, damaged: list[dict]) -> None:
+        """Raise when the job has checkpoints but none intact (or a `latest` pointing at nothing)."""
+        link = self.dir / "latest"
         found = sorted(p.name for p in self.dir.glob(f"step-*{DAMAGED}*")) if self.dir.is_dir() else []
         if found:
             details = "".join(f"\n  {d['checkpoint']} (moved to {d['moved_to']}): {'; '.join(d['problems'])}"
@@ -281,7 +204,22 @@ class Checkpointer:
         if link.is_symlink():
             raise ValueError(f"{link} points to a missing checkpoint ({os.readlink(link)}) and no step-N directory "
                              f"is beside it")
-        return None, damaged
+
+    def set_aside_after(self, loaded: Path) -> list[str]:
+        """Move aside (`step-<N>.damaged`) the checkpoints saved after checkpoint `loaded` was loaded, whose model
+        turned out not to train, and point `latest` back at it; returns the names moved (rank 0 moves, every rank
+        returns them); a save in flight ends first."""
+        self.wait()
+
+        def work() -> list[str]:
+            step = read_trainer_state(loaded)["step"]
+            moved = [self._move_aside(p).name for p in step_dirs(self.dir)
+                     if int(STEP_DIR.match(p.name)[1]) > step]
+            if moved and loaded.parent == self.dir:
+                self._point_latest_to(loaded)
+            return moved
+
+        return self._broadcast_from_rank_zero(work)
 
     def _move_aside(self, path: Path) -> Path:
         aside, n = path.with_name(path.name + DAMAGED), 1
@@ -334,10 +272,8 @@ class Checkpointer:
             return final
         staged = self._stage(state)
         del state
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maester-checkpoint")
         result.blocked_seconds = time.perf_counter() - started
-        self._in_flight = (result, self._executor.submit(self._write_in_background, step, staged, files, result))
+        self._submit(result, self._write_in_background, step, staged, files, result)
         return final
 
     def _small_files(self, step: int, trainer_state: dict, config_json: str) -> dict[str, bytes | str]:
@@ -351,27 +287,14 @@ class Checkpointer:
             files[TRAINER_STATE] = json.dumps({"step": step, **trainer_state}, indent=2)
         return files
 
-    def _stage(self, state: dict) -> dict:
-        """A copy of `state` in host memory that training can no longer change (DCP's DefaultStager), in buffers
-        made at the first save and refilled at each later one (a save waits for the previous write first): a fresh
-        buffer costs a page fault per page, several times the copy (benchmarks/checkpoint_io.py). `pinned`:
-        page-locked buffers, filled by non-blocking copies from the GPU, then one synchronize."""
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        if self._stager is None:
-            pinned = self.async_mode == "pinned"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=pinned))
-        return self._stager.stage(state)
-
     def _write(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
         """Write `state` and `files` as `step-<N>.tmp`, rename it `step-<N>` and move `latest` (every rank; in the
         save's thread for a background save). Its times go into `result`; a failure raises ValueError."""
         final = self.dir / f"step-{step}"
         tmp = self.dir / f"step-{step}.tmp"
-        clock = _Phases(result)
+        clock = Phases(result)
         try:
-            with single_process_ok(), _without_zip_crc32():
+            with single_process_ok(), without_zip_crc32():
                 # a rank's failure is raised on every rank
                 dcp.save(state, checkpoint_id=tmp, process_group=self.group)
         except (OSError, RuntimeError, CheckpointException) as e:
@@ -410,7 +333,8 @@ class Checkpointer:
         if self.rank == 0:
             maybe_crash("before_latest", step)
             self._point_latest_to(final)
-            self._apply_retention(step)
+            if not self.hold_retention:
+                self._apply_retention(step)
         _barrier(self.group)
         clock.lap("rename_and_retention")
         result.write_seconds = clock.total()
@@ -463,19 +387,28 @@ class Checkpointer:
         for s in steps:
             if s not in keep:
                 doomed = self.dir / f"step-{s}"
+                if doomed.is_symlink():  # a checkpoint kept elsewhere and linked in: the link goes, never its target
+                    target = os.readlink(doomed)
+                    doomed.unlink()
+                    log.info("retention: removed the link %s; its target %s is left as it is", doomed, target)
+                    continue
                 trash = self.dir / f"step-{s}.deleting.tmp"
                 os.replace(doomed, trash)  # no half-deleted directory ever carries a step-<N> name
                 shutil.rmtree(trash)
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "continue") -> dict:
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "continue",
+             family: str | None = None) -> dict:
         """Restore the parts of checkpoint `path` that load mode `mode` takes (`LOAD_MODES`) into `model` and
         `optimizer`, resharded to their current layout; returns the trainer state (step, data position, ...) for
         the caller to take the rest from. `continue` also restores this rank's RNG state.
 
         The optimizer keeps the config's hyperparameters (betas, weight decay, ...); only its state (moments,
-        step counts) is taken. A part the mode needs but the checkpoint lacks is an error.
+        step counts) is taken. A part the mode needs but the checkpoint lacks is an error, and so is a checkpoint of
+        another architecture than `family` (the run's `model.name`) or with other weights, unless the mode is
+        partial (`PARTIAL_LOAD_MODES`, `match_model`).
         """
         parts = LOAD_MODES[mode]
+        partial = mode in PARTIAL_LOAD_MODES
         trainer_state = read_trainer_state(path)
         if "optimizer" in parts and not has_optimizer_state(path):
             raise ValueError(f"load mode {mode!r} takes the optimizer state, but checkpoint {path} has none (a seed "
@@ -485,8 +418,9 @@ class Checkpointer:
             raise ValueError(f"load mode {mode!r} takes the data position, but checkpoint {path} has none (a seed "
                              f"or converted checkpoint); use a mode that starts the data fresh")
         if "optimizer" not in parts:
-            load_model_weights(path, model)
+            load_model_weights(path, model, family, partial)
             return trainer_state
+        match_model(path, model, family)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         hyperparameters = copy.deepcopy(optim_sd["param_groups"])
         # The per-parameter state only, keyed by parameter name: the groups may differ where the checkpoint was
@@ -519,22 +453,6 @@ class Checkpointer:
 
 
 
-
-
-@contextmanager
-def _without_zip_crc32():
-    """DCP writes each tensor with torch.save, whose zip records each carry a CRC-32 computed on one core as the
-    file is written: on a busy CPU at about half a disk's speed (benchmarks/checkpoint_io.py). The manifest holds a
-    CRC-32 of every whole file already, and torch.load does not check the records' (torch's own note on
-    `set_crc32_options`). Process-wide while it lasts: other torch.save calls meanwhile also skip it."""
-    from torch.serialization import get_crc32_options, set_crc32_options
-
-    before = get_crc32_options()
-    set_crc32_options(False)
-    try:
-        yield
-    finally:
-        set_crc32_options(before)
 
 
 def _reason(error: BaseException) -> str:

@@ -3,6 +3,7 @@ complete, the newest."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -27,3 +28,14 @@ def step_dirs(directory: Path) -> list[Path]:
 def newest_complete(directory: Path) -> Path | None:
     """The newest complete `step-<N>` of a `checkpoints/` directory (not verified against its manifest)."""
     return next((p for p in step_dirs(directory) if is_complete(p)), None)
+
+
+def check_seedable(job_dir: Path) -> None:
+    """Refuse a seed checkpoint for a job that has a checkpoint already, or under torchrun (before anything is
+    written)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ValueError("a seed checkpoint is written by one process: run it without torchrun")
+    latest = newest_complete(Path(job_dir) / "checkpoints")
+    if latest is not None:
+        raise ValueError(f"{job_dir} already has a checkpoint ({latest.name}): a seed checkpoint only starts a new "
+                         f"job")

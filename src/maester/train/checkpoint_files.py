@@ -7,12 +7,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import pickle
 import random
+import stat
 import warnings
 import zlib
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
@@ -59,8 +61,16 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      f"(a crafted file: loading it could run code)")
 
 
+def inside(name: str) -> bool:
+    """Whether a path that a checkpoint's own files name (a manifest entry, a DCP storage file) stays inside the
+    checkpoint directory: relative, not empty, without `..` or a backslash."""
+    path = PurePosixPath(name)
+    return bool(path.parts) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
+
+
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with `.metadata` unpickled through an allowlist of DCP's metadata classes."""
+    """DCP's file reader with `.metadata` unpickled through an allowlist of DCP's metadata classes, and every storage
+    file it names confined to the checkpoint directory (a crafted `.metadata` must not read another checkpoint)."""
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -71,6 +81,11 @@ class SafeReader(dcp.FileSystemReader):
                 metadata = _MetadataUnpickler(f).load()
             except pickle.UnpicklingError as e:
                 raise ValueError(f"{path}: refused: {e}") from None
+        for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or not inside(name):
+                raise ValueError(f"{path}: refused: the storage of {getattr(index, 'fqn', index)} is named "
+                                 f"{name!r}, which is not a file inside the checkpoint directory (a crafted file)")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -108,8 +123,13 @@ def single_process_ok():
 
 
 def crc32_of(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
+    """The CRC-32 of a regular file (opened without blocking, so that a FIFO put in its place cannot hang the read;
+    anything but a regular file is a ValueError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        crc = 0
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
@@ -120,37 +140,62 @@ def describe_files(root: Path, names: list[str]) -> dict[str, dict]:
     return {name: {"size": (root / name).stat().st_size, "crc32": crc32_of(root / name)} for name in names}
 
 
-def verify_checkpoint(path: Path, level: str = "size") -> list[str]:
+def verify_checkpoint(path: Path, level: str = "size", share: tuple[int, int] = (0, 1)) -> list[str]:
     """What is wrong with checkpoint `path` against its manifest.json, one line per file; empty when it is intact.
-    `level` "size" compares sizes, "full" also CRC-32s. A checkpoint from before manifests (none in it) is checked
-    for its .metadata and trainer state only."""
+    `level` "size" compares sizes, "full" also CRC-32s. A manifest entry must name a regular file inside the
+    checkpoint directory. A checkpoint from before manifests (none in it) is checked for its .metadata and trainer
+    state only.
+
+    `share` = (i, n): check only every n-th manifest entry from the i-th (n processes reading one checkpoint
+    together, each its share; `n` results together cover it), the trainer state in share 0."""
+    index, count = share
     manifest_file = path / MANIFEST
     problems: list[str] = []
     if not manifest_file.is_file():
-        problems = [f"{path / name}: missing" for name in (".metadata", TRAINER_STATE) if not (path / name).is_file()]
+        if index == 0:
+            problems = [f"{path / name}: missing" for name in (".metadata", TRAINER_STATE)
+                        if not (path / name).is_file()]
     else:
         try:
             files = json.loads(manifest_file.read_text())["files"]
-            entries = [(name, int(e["size"]), str(e["crc32"])) for name, e in files.items()]
+            entries = [(str(name), int(e["size"]), str(e["crc32"])) for name, e in files.items()]
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            return [f"{manifest_file}: not a manifest ({type(e).__name__}: {e})"]
-        for name, size, crc in sorted(entries):
-            file = path / name
-            try:
-                actual = file.stat().st_size
-            except FileNotFoundError:
-                problems.append(f"{file}: missing")
-                continue
-            if actual != size:
-                problems.append(f"{file}: {actual} bytes, the manifest says {size}")
-            elif level == "full" and (actual_crc := crc32_of(file)) != crc:
-                problems.append(f"{file}: CRC-32 {actual_crc}, the manifest says {crc}")
-    if not problems:
+            return [f"{manifest_file}: not a manifest ({type(e).__name__}: {e})"] if index == 0 else []
+        for name, size, crc in sorted(entries)[index::count]:
+            problem = _file_problem(path, name, size, crc if level == "full" else None)
+            if problem:
+                problems.append(problem)
+    if not problems and index == 0:
         try:
             read_trainer_state(path)
         except (ValueError, OSError) as e:
             problems.append(str(e).split(": the checkpoint is damaged")[0])
     return problems
+
+
+def _file_problem(root: Path, name: str, size: int, crc: str | None) -> str | None:
+    """What is wrong with the manifest entry `name` of checkpoint `root` (its size, and its CRC-32 unless `crc` is
+    None), or None."""
+    if not inside(name):
+        return f"{root}: the manifest names {name!r}, which is not a file inside the checkpoint directory"
+    file = root / name
+    try:
+        st = file.stat()
+    except FileNotFoundError:
+        return f"{file}: missing"
+    except OSError as e:
+        return f"{file}: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{file}: not a regular file"
+    if st.st_size != size:
+        return f"{file}: {st.st_size} bytes, the manifest says {size}"
+    if crc is None:
+        return None
+    try:
+        actual = crc32_of(file)
+    except (OSError, ValueError) as e:
+        return f"{file}: {getattr(e, 'strerror', None) or e}"
+    return None if actual == crc else f"{file}: CRC-32 {actual}, the manifest says {crc}"
 
 
 def capture_rng_state() -> dict:
@@ -257,13 +302,64 @@ def dcp_load(state: dict, path: Path) -> None:
                          f"earlier one") from e
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load only the model from a checkpoint (fine-tuning, generation); every model key must be present."""
-    model_sd = get_model_state_dict(model)
-    state = {"model": model_sd}
+def checkpoint_family(path: Path) -> str | None:
+    """The architecture (`model.name`) checkpoint `path` says it holds in its config.json; None when it says none."""
+    try:
+        name = json.loads((path / "config.json").read_text())["model"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def model_keys(model: nn.Module) -> set[str]:
+    """The names of the whole model's weights as checkpoints name them (under pipeline parallel, of every stage,
+    not only this rank's)."""
+    whole = getattr(model, "whole_model", None)
+    return set(whole.state_dict()) if whole is not None else set(get_model_state_dict(model))
+
+
+def match_model(path: Path, model: nn.Module, family: str | None, partial: bool = False) -> set[str]:
+    """The model weights to load from checkpoint `path`: every one of `model`'s. A checkpoint of another
+    architecture (`family`, this run's `model.name`, against its config.json), or one holding weights the model has
+    no place for or lacking some it needs, is refused naming both, unless `partial`: then the weights the two share
+    by name are loaded (the rest of the model keeps its initialisation), and what is left out is logged."""
+    with single_process_ok():
+        metadata = SafeReader(path).read_metadata()
+    saved = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
+    ours = model_keys(model)
+    theirs = checkpoint_family(path)
+    extra, missing = sorted(saved - ours), sorted(ours - saved)
+
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:3]) + (f", ... ({len(keys)} in all)" if len(keys) > 3 else "")
+
+    if partial:
+        if not saved & ours:
+            raise ValueError(f"checkpoint {path} shares no weight name with this model: nothing to load")
+        if extra or missing or theirs != family:
+            log.warning("partial load of %s (%s) into %s: ignoring %d checkpoint weight(s)%s; %d weight(s) keep their "
+                        "initialisation%s", path, theirs or "architecture unknown", family, len(extra),
+                        f" ({some(extra)})" if extra else "", len(missing), f" ({some(missing)})" if missing else "")
+        return saved & ours
+    fix = (f"compare model.* with {path / 'config.json'}; checkpoint.load_mode = 'model_partial' takes the weights "
+           f"the two share by name")
+    if family is not None and theirs is not None and theirs != family:
+        raise ValueError(f"checkpoint {path} holds a {theirs} model, and this run's model is {family}: it does not fit "
+                         f"this run's model ({fix})")
+    if extra:
+        raise ValueError(f"checkpoint {path} does not fit this run's model: it holds weights this "
+                         f"{family or 'model'} has no place for ({some(extra)}), so it was saved from another "
+                         f"architecture{' than its config.json says' if theirs == family else ''} ({fix})")
+    if missing:
+        raise ValueError(f"checkpoint {path} does not fit this run's model: it lacks weights the model needs "
+                         f"({some(missing)}) ({fix})")
+    return ours
+
+
+def load_model_weights(path: Path, model: nn.Module, family: str | None = None, partial: bool = False) -> None:
+    """Load only the model from a checkpoint (fine-tuning, generation): every model key must be present and none
+    other (`match_model`; `partial`: the keys the two share)."""
+    keys = match_model(path, model, family, partial)
+    state = {"model": {k: v for k, v in get_model_state_dict(model).items() if k in keys}}
     dcp_load(state, path)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-
-
-
-
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not partial))

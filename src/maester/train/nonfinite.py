@@ -6,11 +6,16 @@ SGD, ...) take a `found_inf` tensor, as with a gradient scaler, and leave parame
 were when it is 1. An optimizer without it (Muon, a for-loop or foreach one that cannot be fused) makes the loop
 read the flag every step instead, which is said once at the start. `stop` lets the loop run to the next sync point
 and then raises `NonFiniteError`, before any checkpoint can hold the damage.
+
+`AfterLoadWatch` looks harder at the first steps after a checkpoint was loaded, where a bit flipped in a file that
+its size check cannot see shows: a non-finite loss or gradient norm, or a gradient norm of exactly 0 (a dead model),
+stops the run naming the checkpoint, whatever `training.nonfinite` says.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -74,3 +79,42 @@ class NonFiniteGuard:
                                  f"first at step {first_bad}: more than training.max_skipped_steps = "
                                  f"{self.max_skipped}", first_bad)
         return skipped
+
+
+class AfterLoadWatch:
+    """The first `STEPS` steps after checkpoint `path` was loaded at step `step`: each is read on the host (one sync
+    a step, for these steps only), and one with a non-finite loss or gradient norm, or a gradient norm of exactly 0,
+    raises a ValueError naming the checkpoint (the trainer then sets aside what it saved since; meanwhile, after a
+    load checked by size only, its saves delete no older checkpoint). A damaged weight shows at once, a damaged optimizer state after its first update;
+    an fp16 step whose scaled gradients overflowed is the loss scaler's to handle."""
+
+    STEPS = 10
+
+    def __init__(self, path: Path, step: int, device: torch.device):
+        self.path, self.until = path, step + self.STEPS
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.values = torch.zeros(2, device=device)
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, overflow: torch.Tensor | None) -> None:
+        loss, grad_norm = loss.detach().float().to(self.bad.device), grad_norm.detach().float().to(self.bad.device)
+        bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm) | (grad_norm == 0)
+        if overflow is not None:
+            bad = bad & (overflow.to(self.bad.device) == 0)
+        self.bad, self.values = bad, torch.stack([loss, grad_norm])
+
+    def check(self, step: int, checkpointer) -> bool:
+        """Raise if step `step` went wrong, after setting aside the checkpoints `checkpointer` saved since; True (and
+        its retention free again) once the watched steps are over."""
+        if bool(self.bad.item()):
+            loss, norm = self.values.tolist()
+            moved = checkpointer.set_aside_after(self.path)
+            raise ValueError(f"step {step}, {step - self.until + self.STEPS} step(s) after loading the checkpoint "
+                             f"{self.path}, has a loss of {loss:.4f} and a gradient norm of {norm:.4g}: the model "
+                             f"loaded cannot train. The checkpoint is damaged (`maester checkpoint verify "
+                             f"{self.path} --level full` reads every byte) or was saved from a broken model; move it "
+                             f"aside to resume from an earlier one"
+                             + (f"; the checkpoints saved since, {', '.join(moved)}, are set aside" if moved else ""))
+        if step >= self.until:
+            checkpointer.hold_retention = False
+            return True
+        return False

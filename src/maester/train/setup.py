@@ -107,18 +107,22 @@ def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, 
             return materialize_for_loading(module, init_device, buffer_device=device)
         return materialize(module, init_device, seed, buffer_device=device)
 
+    meta = build_on_meta(cfg.model, args, precision.param_dtype)
+    if cfg.training.float8.enabled:  # before parallelize, as torchtitan converts
+        from maester.parallel.float8 import convert_to_float8
+
+        convert_to_float8(meta, cfg.training.float8, fsdp=dims.fsdp_enabled, tp=dims.tp)
     if dims.pp > 1:  # each pipeline stage parallelised and initialised on its own, from its own seed
         from maester.parallel.pipeline import build_pipeline_model
 
         if initialise:
             seed_dtensor_rng_per_rank(cfg.training.seed, dims.mesh, device)
 
-        model = build_pipeline_model(build_on_meta(cfg.model, args, precision.param_dtype), dims, cfg,
+        model = build_pipeline_model(meta, dims, cfg,
                                      lambda stage: parallelize(stage, dims, parallel, device, precision),
                                      lambda stage, index: allocate(stage, cfg.training.seed + index), device)
     else:
-        model = allocate(parallelize(build_on_meta(cfg.model, args, precision.param_dtype), dims, parallel, device,
-                                     precision), cfg.training.seed)
+        model = allocate(parallelize(meta, dims, parallel, device, precision), cfg.training.seed)
     if not initialise:
         return model
     if (dims.world_size > 1 or dims.fsdp_enabled) and device.type == "cpu":

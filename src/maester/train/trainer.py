@@ -17,20 +17,26 @@ import torch.distributed as dist
 
 from maester.config import LOAD_MODES, Config
 from maester.data.batch import IGNORE_INDEX
+from maester.data.downloads import VERIFIED as VERIFIED_DOWNLOADS, verify_downloaded
 from maester.data.loader import build_loader
+from maester.data.sources import local_files
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
 from maester.parallel.context_parallel import context_parallel_of
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout, set_cpu_threads
+from maester.parallel.float8 import Float8Training, check_float8
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
-from maester.train.checkpoint import Checkpointer, SaveResult, background_group, resolve_async_mode, resolve_checkpoint
+from maester.train.checkpoint import Checkpointer, resolve_checkpoint
+from maester.train.checkpoint_async import SaveResult, background_group, resolve_async_mode
+from maester.train.checkpoint_dirs import check_seedable
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
 from maester.train.hf_weights import fetch_before_process_group, load_hf_weights
+from maester.train.init_from import check_stable_phase, check_steps_left
 from maester.models.moe import moe_metrics, update_expert_bias
 from maester.train.metrics import (
     MetricsWindow,
@@ -41,7 +47,7 @@ from maester.train.metrics import (
     open_metrics,
     peak_memory_gib,
 )
-from maester.train.nonfinite import NonFiniteError, NonFiniteGuard, skips_on_device
+from maester.train.nonfinite import AfterLoadWatch, NonFiniteError, NonFiniteGuard, skips_on_device
 from maester.train.optim import build_optimizer, clip_grad_norm, full_value
 from maester.train.preemption import (
     REQUEUE_FILE,
@@ -98,6 +104,7 @@ class Trainer:
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
         log.info("environment: %s%s", describe_environment(self.device), f", {threads}" if threads else "")
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
+        check_float8(cfg, self.dims, self.device)  # a GPU without float8, DDP, a torchao that does not fit torch
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
             from maester.parallel.preflight import run_preflight
 
@@ -127,6 +134,7 @@ class Trainer:
         if self.precision.loss_scaling:
             self.scaler = LossScaler(next(iter(self.model.parameters())).device)
         self.loss_parallel = uses_loss_parallel(self.model)
+        self.float8 = Float8Training(self.model) if cfg.training.float8.enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
@@ -146,11 +154,15 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
                                         param_device, self.loss_group)
 
+        if self.rank == 0 and cfg.data.verify_downloads:  # a swapped file of a download is an error, not data
+            verify_downloaded([f for s in cfg.data.sources + cfg.data.validation for f in local_files(s)],
+                              self.job_dir / VERIFIED_DOWNLOADS)
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
                                    batch=self.dims.batch_plan(cfg), group=self.dp_group)
         self.step, self.tokens_seen = 0, 0
         self.schedule_start = 0  # steps done before the LR schedule began (its warmup starts at the next step)
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
+        self.after_load: AfterLoadWatch | None = None  # the first steps after a checkpoint was loaded
         self._validation = None
         self._resume_or_initialise()
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
@@ -164,11 +176,11 @@ class Trainer:
         """Resume from the job's own latest checkpoint, with everything in it; else take the parts of
         `checkpoint.init_from` that `checkpoint.load_mode` names (of an `hf:` directory, the weights only); else start
         fresh at `checkpoint.step_offset`."""
-        c, total = self.cfg.checkpoint, self.cfg.training.steps
-        latest = self._latest
+        c, latest = self.cfg.checkpoint, self._latest
         if self._resuming:
-            state = self.checkpointer.load(latest, self.model, self.optimizer, "continue")
+            state = self.checkpointer.load(latest, self.model, self.optimizer, "continue", self.cfg.model.name)
             self._take_trainer_state(state, LOAD_MODES["continue"])
+            self.after_load = self._watch_after_load(latest)
             self.provenance = {k: state[k] for k in ("init_from", "load_mode") if k in state}
             log.info("resumed from %s at step %d", latest, self.step)
             return
@@ -176,8 +188,9 @@ class Trainer:
             if c.init_from:
                 raise ValueError(f"{self.job_dir} has the seed checkpoint {latest} and checkpoint.init_from is set "
                                  f"too: start from one of them")
-            self.checkpointer.load(latest, self.model, self.optimizer, "model_only")
+            self.checkpointer.load(latest, self.model, self.optimizer, "model_only", self.cfg.model.name)
             self._take_trainer_state({}, LOAD_MODES["model_only"])
+            self.after_load = self._watch_after_load(latest)
             log.info("initialised model weights from the seed checkpoint %s", latest)
         elif c.init_from_hf is not None:
             source = c.init_from_hf  # a directory or a Hub id, resolved where it is read
@@ -187,22 +200,27 @@ class Trainer:
             log.info("initialised the model weights from the Hugging Face directory %s; fresh: optimizer, schedule, "
                      "data, step; first step %d", source, self.step + 1)
         elif c.init_from:
-            source, mode = resolve_checkpoint(c.init_from), c.load_mode
+            source, mode = resolve_checkpoint(c.init_from, c.verify), c.load_mode
             parts = LOAD_MODES[mode]
             if mode == "cooldown":
                 check_stable_phase(source, self.cfg)
-            state = self.checkpointer.load(source, self.model, self.optimizer, mode)
+            state = self.checkpointer.load(source, self.model, self.optimizer, mode, self.cfg.model.name)
             try:
                 self._take_trainer_state(state, parts)
             except ValueError as e:  # the data position of other data
                 raise ValueError(f"checkpoint.load_mode = {mode!r} takes the data position of {source}: {e}") from e
             self.provenance = {"init_from": str(source), "load_mode": mode}
+            self.after_load = self._watch_after_load(source)
             order = ("model", "optimizer", "schedule", "data", "step")
             log.info("initialised from %s with load_mode %s: took %s; fresh: %s; first step %d", source, mode,
                      ", ".join(p for p in order if p in parts),
                      ", ".join(p for p in order if p not in parts) or "nothing", self.step + 1)
         else:
             self._take_trainer_state({}, frozenset())
+
+    def _watch_after_load(self, path: Path) -> AfterLoadWatch:
+        self.checkpointer.hold_retention = self.cfg.checkpoint.verify != "full"
+        return AfterLoadWatch(path, self.step, self.device)
 
     def _take_trainer_state(self, state: dict, parts: frozenset[str]) -> None:
         """Step (and tokens seen), data position and schedule start from a checkpoint's trainer state where
@@ -230,6 +248,8 @@ class Trainer:
                 lr_mult = self._set_lr(run.total)
                 loss, grad_norm = self._optimizer_step(batches, stats, run.profiler)
                 self._finish_step(run, batches)
+                if self.after_load is not None and self.after_load.check(self.step, self.checkpointer):
+                    self.after_load = None
                 if self.step % self.cfg.logging.interval == 0 or self.step in (run.first_step, run.total):
                     run.loss_value = self._log(run, loss, grad_norm, lr_mult)
                 self._evaluate_if_due(run)
@@ -321,12 +341,16 @@ class Trainer:
         try:
             loss = self._forward_backward(micro_batches, stats[0])
             grad_norm, overflow = clip_grad_norm(self._params, max_norm, self.scaler, self.pp_group)
+            if self.after_load is not None:
+                self.after_load.observe(self.step, loss, grad_norm, overflow)
             if overflow is None:
                 if self.nonfinite.observe(self.step, loss, grad_norm):
                     self.optimizer.step()
             else:  # fp16: an overflow is the scaler's to handle, not a non-finite step
                 self._scaled_step(loss, grad_norm, overflow)
             update_expert_bias(self.model, self.dp_group)  # MoE's auxiliary-loss-free balancing; else nothing
+            if self.float8 is not None:
+                self.float8.after_optimizer_step()
         except torch.OutOfMemoryError:
             profiler.on_oom(self.step)
             raise
@@ -553,46 +577,12 @@ def stop_event(step: int, reason: str, checkpoint: Path) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **slurm}
 
 
-def check_steps_left(cfg: Config) -> None:
-    """A run that takes its step from `checkpoint.init_from` must have steps left before `training.steps`, the number
-    of its last step; checked from the checkpoint's trainer_state.json, before anything is loaded. (A
-    `checkpoint.step_offset` past the end is refused with the config.)"""
-    c, total = cfg.checkpoint, cfg.training.steps
-    if not c.init_from or c.init_from_hf is not None or "step" not in LOAD_MODES[c.load_mode]:
-        return
-    source = resolve_checkpoint(c.init_from)
-    step = read_trainer_state(source)["step"]
-    if step >= total:
-        raise ValueError(f"checkpoint.init_from {source} is at step {step} and checkpoint.load_mode = {c.load_mode!r} "
-                         f"continues from it, but training.steps = {total}: training.steps is the number of the last "
-                         f"step, not a count; to train {total} more steps, set training.steps = {step + total}")
-
-
-def check_stable_phase(source: Path, cfg: Config) -> None:
-    """A cooldown starts where the source run's LR stood at its peak; refuse a checkpoint taken in its warmup or
-    decay, and say so where the cooldown's base LR differs from the source's."""
-    state = read_trainer_state(source)
-    source_cfg = Config.from_json_file(source / "config.json")
-    step, start = state["step"], state.get("schedule_start", 0)
-    mult = lr_multiplier(source_cfg.schedule, step - start, source_cfg.training.steps - start)
-    if mult != 1.0:
-        raise ValueError(f"checkpoint.load_mode = 'cooldown': {source} (step {step}) is not in the stable phase of "
-                         f"its schedule ({source_cfg.schedule.name}): its LR multiplier there is {mult:.4g}, not 1")
-    if source_cfg.optimizer.lr != cfg.optimizer.lr:
-        log.warning("cooldown from %s: optimizer.lr is %g here and was %g there", source, cfg.optimizer.lr,
-                    source_cfg.optimizer.lr)
-
-
 def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
     """Initialise the model once, on one process, and save it as `step-0`: every layout that then trains the job
     starts from the same weights, so runs on different layouts are comparable."""
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise ValueError("a seed checkpoint is written by one process: run it without torchrun")
+    check_seedable(job_dir)
     setup_logging(job_dir)
     checkpointer = Checkpointer(job_dir, cfg.checkpoint)
-    if checkpointer.latest() is not None:
-        raise ValueError(f"{job_dir} already has a checkpoint ({checkpointer.latest().name}): a seed checkpoint "
-                         f"only starts a new job")
     tokenizer = build_tokenizer(cfg.tokenizer)
     model = build_model(cfg.model, tokenizer.vocab_size, torch.device("cpu"), cfg.training.seed, cfg.mup)
     path = checkpointer.save(0, model, None, {"seed_checkpoint": True}, cfg.to_json())
