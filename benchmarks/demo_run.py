@@ -1,5 +1,6 @@
-"""Time the Quick start's demo run end to end and report its loss curve endpoints; with --sft, then fine-tune it
-with configs/demo-sft.toml and report that run too.
+"""Time the Quick start's demo run end to end and report its loss curve endpoints (and, with overrides that set
+`evaluation.tasks`, the downstream results of its last evaluation); with --sft, then fine-tune it with
+configs/demo-sft.toml and report that run too.
 
     uv run python benchmarks/demo_run.py [--sft] [extra overrides of the demo...]
 
@@ -29,6 +30,7 @@ def train(config: str, tmp: str, env: dict, extra: list[str]) -> float:
 def table(title: str, wall: float, records: list[dict]) -> None:
     import torch
 
+    all_records = records
     evals = [r for r in records if "val_loss" in r]
     records = [r for r in records if "loss" in r]  # steps with a training line (an evaluation may fall between)
     steady = [r["tokens_per_second"] for r in records[1:]]
@@ -46,6 +48,13 @@ def table(title: str, wall: float, records: list[dict]) -> None:
         print(f"| median padding efficiency | {100 * pads[len(pads) // 2]:.1f}% |")
         print(f"| median label tokens per step | {sorted(r['label_tokens_per_step'] for r in records)[len(records) // 2]:,.0f} |")
     print(f"| median tokens/s | {sorted(steady)[len(steady) // 2]:,.0f} |")
+    downstream = [r for r in all_records if "eval/seconds" in r]  # with --evaluation.tasks=...
+    for r in downstream[-1:]:
+        for key, value in r.items():
+            if key.startswith("eval/") and key != "eval/seconds":
+                print(f"| {key[5:]} at step {r['step']} | {value:.3f} |")
+        print(f"| downstream evaluation time, each of {len(downstream)} | "
+              f"{sum(d['eval/seconds'] for d in downstream) / len(downstream):.1f} s |")
 
 
 def main() -> None:

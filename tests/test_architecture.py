@@ -21,8 +21,10 @@ LAYERS = [
     # the ground floor: files, progress bars, the config sections' base class and error messages, exit codes, Hub ids
     ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes", "maester.hub", "maester.cpus"),
     ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
-    ("maester.config", "maester.config_data", "maester.config_job", "maester.config_sources"),  # the tree, its sources
-    ("maester.data", "maester.parallel"),  # loaders; device meshes, sharding, precision, preflight
+    # the tree, its sections, its sources
+    ("maester.config", "maester.config_data", "maester.config_job", "maester.config_optim", "maester.config_sources"),
+    # loaders; device meshes, sharding, precision, preflight; lm-evaluation-harness: the model as its LM, the tasks
+    ("maester.data", "maester.parallel", "maester.evaluation"),
     ("maester.train",),  # the trainer, checkpoints, optimizers, metrics
     ("maester.jobs",),  # job directories, SLURM scripts, sweeps
     ("maester.tools",),  # data tools, convert, generate, reports

@@ -44,7 +44,7 @@ def test_help_is_fast_and_does_not_import_torch(tmp_path):
     wall = time.perf_counter() - start
     print(f"maester --help: {wall:.3f} s")
     assert result.returncode == 0, result.stderr
-    for command in ("train", "submit", "config", "generate", "plot"):
+    for command in ("train", "submit", "config", "generate", "eval", "plot"):
         assert command in result.stdout
     assert wall < 2.0
 
@@ -55,6 +55,7 @@ def test_help_is_fast_and_does_not_import_torch(tmp_path):
     torch_lines = [line for line in traced.stderr.splitlines() if " torch" in line]
     assert not [m for m in imported if m.split(".")[0] == "torch"], torch_lines
     assert not torch_lines
+    assert not [m for m in imported if m.split(".")[0] in ("lm_eval", "datasets", "transformers")]
 
 
 def test_subcommand_help_exits_0(tmp_path):

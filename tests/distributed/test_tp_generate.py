@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from maester.tools.generate import load_for_inference
-from maester.tools.sampling import sample
+from maester.models.sampling import sample
 from tests.helpers import REPO, clean_env, run_maester, seed_job, torchrun
 
 TEXTS = ["the model reads", "a token", "the optimizer updates every weight of the network", "so"]

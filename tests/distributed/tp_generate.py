@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from maester.tools.generate import load_for_inference, start_inference
-from maester.tools.sampling import sample, sample_batch
+from maester.models.sampling import sample, sample_batch
 
 device, dtype, mesh, rank = start_inference("cpu", "auto")
 result = {"rank": rank, "world": dist.get_world_size(), "jobs": {}}

@@ -13,7 +13,7 @@ import torch
 from maester.parallel.devices import DeviceUnavailable, choose_inference_device
 from maester.parallel.precision import inference_dtype
 from maester.tools.generate import Completer, Prompt, load_for_inference, read_prompts
-from maester.tools.sampling import sample, sample_batch
+from maester.models.sampling import sample, sample_batch
 from tests.helpers import REPO, clean_env, run_maester, seed_job
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="shows the CPU side of a GPU choice")

@@ -31,6 +31,7 @@ COMMANDS = {
     "config": Command(training.add_config, training.run_config, overrides=True),
     "generate": Command(tools.add_generate, tools.run_generate),
     "chat": Command(tools.add_chat, tools.run_chat),
+    "eval": Command(tools.add_eval, tools.run_eval),
     "convert": Command(tools.add_convert, tools.run_convert),
     "checkpoint": Command(tools.add_checkpoint, tools.run_checkpoint),
     "plot": Command(tools.add_plot, tools.run_plot),

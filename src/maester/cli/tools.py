@@ -1,4 +1,4 @@
-"""The commands on checkpoints and models: generate, convert, verify, plot, report. Each is an `add_*` (its
+"""The commands on checkpoints and models: generate, eval, convert, verify, plot, report. Each is an `add_*` (its
 arguments) and a `run_*` (what it does, importing torch only there)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def load_completer(args, chat: bool, needs_template: bool):
     prompt is answered in the chat template); returns it and this process's rank."""
     from maester.tools.generate import Completer, load_for_inference, start_inference
     from maester.tools.hf_dir import is_hf_model_dir
-    from maester.tools.sampling import check_sampling
+    from maester.models.sampling import check_sampling
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before loading
     device, dtype, tp_mesh, rank = start_inference(args.device, args.dtype)
@@ -116,6 +116,73 @@ def run_chat(args) -> None:
                          "generation is `torchrun ... -m maester generate`)")
     completer, _ = load_completer(args, chat=True, needs_template=True)
     run_session(ChatSession(completer, args.system), input, sys.stdout)
+
+
+def add_eval(sub, name: str) -> None:
+    p = sub.add_parser(name, help="run lm-evaluation-harness tasks on a job's latest checkpoint or a checkpoint "
+                                  "(data parallel under torchrun); needs the `eval` extra")
+    p.add_argument("target", nargs="?", help="a job directory, a checkpoint directory, or an HF model directory")
+    p.add_argument("--tasks", required=True, metavar="T1,T2",
+                   help="lm-eval task, group or tag names, or task YAML files (path ending in .yaml); the shipped "
+                        "offline tasks are pydoc_choice and pydoc_complete")
+    p.add_argument("--limit", type=_limit, default=None, metavar="N",
+                   help="at most N documents per task (below 1: that share of them)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward on each process (default: 8)")
+    p.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                   help="few-shot examples per prompt (default: each task's own)")
+    p.add_argument("--output", metavar="FILE", help="write lm-eval's results as JSON to FILE")
+    p.add_argument("--log-samples", action="store_true",
+                   help="put every document's requests and responses into the JSON (`samples`)")
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a directory of task YAMLs whose names --tasks may use (repeatable)")
+    p.add_argument("--download-only", action="store_true",
+                   help="load the tasks' data (into the Hugging Face cache) and stop, without a model: run it where "
+                        "there is internet for nodes without; with HF_DATASETS_OFFLINE=1 it checks the cache")
+    p.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="auto (default): the GPU where torch can use one, else the CPU; under torchrun each process "
+                        "takes the GPU of its LOCAL_RANK")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="the dtype the weights are loaded and run in (auto: bfloat16 on a GPU, float32 on the CPU)")
+
+
+def _limit(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of documents (or a share below 1), got {text!r}")
+    return int(value) if value >= 1 and value == int(value) else value
+
+
+def run_eval(args) -> None:
+    from maester.tools.evaluate import download_tasks, evaluate_target, require_lm_eval
+
+    require_lm_eval()
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--tasks names no task")
+    if args.download_only:
+        print("\n".join(download_tasks(tasks, args.include_path)))
+        return
+    if args.target is None:
+        raise ValueError("give the job, checkpoint or HF model directory to evaluate (or --download-only)")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    try:
+        results = evaluate_target(args.target, tasks, limit=args.limit, batch_size=args.batch_size,
+                                  num_fewshot=args.num_fewshot, output=args.output, device=args.device,
+                                  dtype=args.dtype, include_paths=args.include_path, log_samples=args.log_samples)
+        if results is not None:
+            from maester.evaluation.harness import results_table
+
+            print(results_table(results))
+            if args.output:
+                print(f"wrote {args.output}")
+    finally:
+        _leave_process_group()
 
 
 def add_convert(sub, name: str) -> None:

@@ -72,10 +72,13 @@ def download_manifest_of(file: Path, cache: dict[Path, tuple[Path, dict] | None]
     return None
 
 
-def verify_downloaded(files: list, record: Path) -> int:
-    """Check every local file of `files` that lies in a download directory against its manifest entry (size, then
-    sha256, unless `record` remembers this file at this size and modification time with that sha256); update
-    `record`. Returns how many files were hashed."""
+def verify_downloaded(data, record: Path) -> int:
+    """Check every local file of the sources of `data` (a `DataConfig`: training and validation) that lies in a
+    download directory against its manifest entry (size, then sha256, unless `record` remembers this file at this
+    size and modification time with that sha256); update `record`. Returns how many files were hashed."""
+    from maester.data.sources import local_files
+
+    files = [f for source in data.sources + data.validation for f in local_files(source)]
     try:
         known = json.loads(record.read_text()) if record.is_file() else {}
     except ValueError:

@@ -13,15 +13,17 @@ from torch import nn
 
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer, build_tokenizer
-from maester.tools.sampling import check_sampling, sample, sample_batch
+from maester.models.sampling import check_sampling, sample, sample_batch
 from maester.train.checkpoint import resolve_checkpoint
 from maester.train.checkpoint_files import load_model_weights
 
 
-def start_inference(device_choice: str, dtype_choice: str) -> tuple[torch.device, torch.dtype, object, int]:
+def start_inference(device_choice: str, dtype_choice: str,
+                    tensor_parallel: bool = True) -> tuple[torch.device, torch.dtype, object, int]:
     """This process's device (`--device`) and the dtype (`--dtype`, `auto`: bfloat16 on GPUs, float32 on CPU);
-    under torchrun (WORLD_SIZE > 1), also the process group and a tensor-parallel mesh over every process.
-    Returns (device, dtype, the mesh or None, rank)."""
+    under torchrun (WORLD_SIZE > 1), also the process group and, with `tensor_parallel`, a tensor-parallel mesh over
+    every process (without: each process holds the whole model, data parallel). Returns (device, dtype, the mesh
+    or None, rank)."""
     import torch.distributed as dist
 
     from maester.parallel.devices import choose_inference_device, process_group_backend
@@ -41,7 +43,8 @@ def start_inference(device_choice: str, dtype_choice: str) -> tuple[torch.device
 
     if not dist.is_initialized():
         dist.init_process_group(process_group_backend(device.type))
-    return device, dtype, init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)), dist.get_rank()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)) if tensor_parallel else None
+    return device, dtype, mesh, dist.get_rank()
 
 
 def load_for_inference(target: str | Path, device: torch.device, dtype: torch.dtype = torch.float32,

@@ -55,22 +55,23 @@ def write_report(job_dir: Path, out: Path | None = None, now: float | None = Non
 
     job_dir = Path(job_dir)
     now = time.time() if now is None else now
-    cfg, train, evals = load_job(job_dir)
+    cfg, train, evals, downstream = load_job(job_dir)
     status = job_status(job_dir, cfg, train, now)
-    summary = format_summary(job_dir, summary_items(job_dir, cfg, train, evals, status))
+    summary = format_summary(job_dir, summary_items(job_dir, cfg, train, evals, status, downstream))
     out = Path(out) if out else job_dir / "report.png"
     if out.parent.is_dir() and not os.access(out.parent, os.W_OK):
         why = "Read-only file system" if os.statvfs(out.parent).f_flag & os.ST_RDONLY else "no permission"
         raise ValueError(f"{out.parent} cannot be written ({why}): write the report elsewhere with --out FILE.png")
     text = out.with_suffix(".txt")
     with AtomicOutputs() as outputs:
-        draw_dashboard(job_dir, cfg, train, evals, status, outputs.temp_for(out))
+        draw_dashboard(job_dir, cfg, train, evals, status, outputs.temp_for(out), downstream)
         outputs.temp_for(text).write_text(summary + "\n")
     return JobReport(out, text, summary)
 
 
-def load_job(job_dir: Path) -> tuple[Config, list[dict], list[dict]]:
-    """The job's config, its training records and its validation records, in step order."""
+def load_job(job_dir: Path) -> tuple[Config, list[dict], list[dict], list[dict]]:
+    """The job's config, its training records, its validation records and its downstream evaluation records
+    (`eval/<task>/<metric>`), in step order."""
     config_file = job_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: {job_dir} is not a job directory")
@@ -82,7 +83,18 @@ def load_job(job_dir: Path) -> tuple[Config, list[dict], list[dict]]:
     if not train:
         raise ValueError(f"{metrics_file} holds no logged training step yet")
     evals = [r for r in records if r.get("val_loss") is not None]
-    return Config.from_json_file(config_file), train, evals
+    downstream = [r for r in records if downstream_metrics(r)]
+    return Config.from_json_file(config_file), train, evals, downstream
+
+
+def downstream_metrics(record: dict) -> dict[str, dict[str, float]]:
+    """A record's downstream evaluation results by task and metric (`eval/<task>/<metric>`; not `eval/seconds`)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in record.items():
+        task, _, metric = key.removeprefix("eval/").rpartition("/")
+        if key.startswith("eval/") and task and value is not None:
+            out.setdefault(task, {})[metric] = value
+    return out
 
 
 def job_status(job_dir: Path, cfg: Config, train: list[dict], now: float) -> Status:
@@ -167,7 +179,7 @@ def _validation_sources(evals: list[dict]) -> list[str]:
 
 
 def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dict],
-                  status: Status) -> list[tuple[str, str]]:
+                  status: Status, downstream: list[dict] = ()) -> list[tuple[str, str]]:
     """The summary as (label, text) pairs, one line each."""
     total = cfg.training.steps
     window = recent_window(train)
@@ -205,6 +217,11 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
             last = next(r for r in reversed(evals) if r.get(f"val/{name}/loss") is not None)
             items.append((f"  {name}", f"{last[f'val/{name}/loss']:.4f} (ppl "
                                        f"{math.exp(min(last[f'val/{name}/loss'], 700.0)):,.2f}) at step {last['step']}"))
+
+    if downstream:
+        items.append(("downstream eval", f"at step {downstream[-1]['step']}"))
+        items += [(f"  {task}", ", ".join(f"{metric} {value:.4g}" for metric, value in metrics.items()))
+                  for task, metrics in downstream_metrics(downstream[-1]).items()]
 
     tokens = [r for r in train if r.get("tokens_seen") is not None]
     if tokens:
@@ -263,8 +280,9 @@ def format_summary(job_dir: Path, items: list[tuple[str, str]]) -> str:
 
 
 def draw_dashboard(job_dir: Path, cfg: Config, train: list[dict], evals: list[dict], status: Status,
-                   out: Path) -> None:
-    """A 2 x 3 grid over steps: loss with validation loss, learning rate, grad norm, tokens/s, MFU, data loading."""
+                   out: Path, downstream: list[dict] = ()) -> None:
+    """A 2 x 3 grid over steps: loss with validation loss, learning rate, grad norm, tokens/s, MFU, data loading;
+    below them a row of the downstream tasks' metrics, where the job has any."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,8 +295,11 @@ def draw_dashboard(job_dir: Path, cfg: Config, train: list[dict], evals: list[di
     def series(key: str) -> list[float]:
         return [math.nan if r.get(key) is None else r[key] for r in train]  # NaN leaves a gap in the line
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), dpi=100, sharex=True)
-    (loss_ax, lr_ax, grad_ax), (tps_ax, mfu_ax, data_ax) = axes
+    rows = 3 if downstream else 2
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows), dpi=100, sharex=True)
+    (loss_ax, lr_ax, grad_ax), (tps_ax, mfu_ax, data_ax) = axes[:2]
+    if downstream:
+        _draw_downstream(axes[2], downstream)
 
     loss_ax.plot(steps, series("loss"), label="training", **style)
     if evals:
@@ -336,14 +357,32 @@ def draw_dashboard(job_dir: Path, cfg: Config, train: list[dict], evals: list[di
             ax.grid(alpha=0.3)
     loss_ax.set_xlim(0, max(steps[-1], status.step) * 1.03)  # shared by all panels: from the start to now
     loss_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in axes[1]:
-        ax.set_xlabel("step")
+    for column in axes.T:  # the lowest panel shown in each column labels the steps
+        bottom = [ax for ax in column if ax.get_visible()][-1]
+        bottom.tick_params(labelbottom=True)
+        bottom.set_xlabel("step")
     model = cfg.model.name + (f" {cfg.model.flavor}" if cfg.model.hf_config is None else f" ({cfg.model.hf_config})")
     fig.suptitle(f"{job_dir.name}  ·  {model}  ·  step {status.step} of {cfg.training.steps}  ·  "
                  f"{STATUS_TITLES[status.kind]}", fontsize=14)
     fig.tight_layout()
     fig.savefig(out, format="png")
     plt.close(fig)
+
+
+def _draw_downstream(axes, downstream: list[dict]) -> None:
+    """One panel per task (the first three; the summary lists them all), a line per metric over the steps."""
+    tasks = list(dict.fromkeys(task for r in downstream for task in downstream_metrics(r)))
+    for ax, task in zip(axes, tasks):
+        metrics = list(dict.fromkeys(m for r in downstream for m in downstream_metrics(r).get(task, {})))
+        for metric in metrics:
+            points = [(r["step"], downstream_metrics(r)[task][metric]) for r in downstream
+                      if metric in downstream_metrics(r).get(task, {})]
+            ax.plot(*zip(*points), "o-", lw=1.4, ms=4, label=metric)
+        ax.legend()
+        ax.set_title(f"eval: {task}" + (f" (+{len(tasks) - 3} more tasks in the summary)"
+                                        if ax is axes[-1] and len(tasks) > 3 else ""))
+    for ax in axes[len(tasks):]:
+        ax.set_visible(False)
 
 
 def _lr_curves(train: list[dict]) -> dict[str, list[float]]:

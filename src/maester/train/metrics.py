@@ -149,20 +149,24 @@ class MetricsWriter:
         self._file = open(path, "a", buffering=1)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
-        self._to_sinks(record)
-        line = format_console_line(record)
-        if self.progress is not None and not self.progress.disable:
-            self.progress.write(line)
-        else:
-            log.info(line)
+        self._record(record, format_console_line(record))
 
     def write_eval(self, record: dict) -> None:
-        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
-        self._to_sinks(record)
         line = f"step {record['step']} | val_loss {record['val_loss']:.4f}"
         if record.get("val_perplexity") is not None:
             line += f" | val_perplexity {record['val_perplexity']:.2f}"
+        self._record(record, line)
+
+    def write_downstream(self, record: dict) -> None:
+        """The downstream evaluation's record of a step (`eval/<task>/<metric>`, `eval/seconds`)."""
+        shown = [f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("eval/") and k != "eval/seconds"]
+        self._record(record, f"step {record['step']} | " + (" | ".join(shown) or "no downstream metric") +
+                     f" | {record.get('eval/seconds', 0.0):.1f}s")
+
+    def _record(self, record: dict, line: str) -> None:
+        """One line of metrics.jsonl, the record's numbers to the sinks, and `line` on the console."""
+        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
+        self._to_sinks(record)
         if self.progress is not None and not self.progress.disable:
             self.progress.write(line)
         else:
@@ -287,6 +291,10 @@ class MetricsWindow:
     def add_batches(self, stats: torch.Tensor) -> None:
         self.batches[:-1] += stats[:-1]
         self.batches[-1] = torch.maximum(self.batches[-1], stats[-1])
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent on something other than the steps (evaluation): the window's throughput leaves it out."""
+        self.start += seconds
 
     def add_step(self, tokens: int) -> None:
         self.tokens += tokens

@@ -19,7 +19,6 @@ from maester.config import LOAD_MODES, Config
 from maester.data.batch import IGNORE_INDEX
 from maester.data.downloads import VERIFIED as VERIFIED_DOWNLOADS, verify_downloaded
 from maester.data.loader import build_loader
-from maester.data.sources import local_files
 from maester.data.tokenizers import build_tokenizer
 from maester.models.build import build_model, count_parameters
 from maester.parallel.devices import describe_environment
@@ -33,6 +32,7 @@ from maester.train.checkpoint import Checkpointer, resolve_checkpoint
 from maester.train.checkpoint_async import SaveResult, background_group, resolve_async_mode
 from maester.train.checkpoint_dirs import check_seedable
 from maester.train.checkpoint_files import read_trainer_state
+from maester.train.downstream import DownstreamEvaluation, evaluate_downstream
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
 from maester.train.hf_weights import fetch_before_process_group, load_hf_weights
@@ -118,7 +118,6 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, self.device.type,
                                            self.dims.fsdp_enabled)
-        self.scaler = None  # fp16: made with the parameters, on their device
         async_mode = resolve_async_mode(cfg.checkpoint.async_mode, self.device.type)
         self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank, async_mode,
                                          background_group(async_mode, cfg.training.init_timeout_seconds))
@@ -131,8 +130,8 @@ class Trainer:
                                           initialise=not self._resuming)
         # Parameters and FLOPs are counted on the whole model: under pp this rank holds some stages only.
         self.whole_model = getattr(self.model, "whole_model", self.model)
-        if self.precision.loss_scaling:
-            self.scaler = LossScaler(next(iter(self.model.parameters())).device)
+        # fp16: the loss scaler, made with the parameters, on their device
+        self.scaler = LossScaler(next(iter(self.model.parameters())).device) if self.precision.loss_scaling else None
         self.loss_parallel = uses_loss_parallel(self.model)
         self.float8 = Float8Training(self.model) if cfg.training.float8.enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
@@ -155,8 +154,7 @@ class Trainer:
                                         param_device, self.loss_group)
 
         if self.rank == 0 and cfg.data.verify_downloads:  # a swapped file of a download is an error, not data
-            verify_downloaded([f for s in cfg.data.sources + cfg.data.validation for f in local_files(s)],
-                              self.job_dir / VERIFIED_DOWNLOADS)
+            verify_downloaded(cfg.data, self.job_dir / VERIFIED_DOWNLOADS)
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
                                    batch=self.dims.batch_plan(cfg), group=self.dp_group)
         self.step, self.tokens_seen = 0, 0
@@ -164,6 +162,9 @@ class Trainer:
         self.provenance: dict = {}  # init_from and load_mode, where the run began from another checkpoint
         self.after_load: AfterLoadWatch | None = None  # the first steps after a checkpoint was loaded
         self._validation = None
+        # evaluation.tasks: lm-eval tasks on this sharded model
+        self.downstream = DownstreamEvaluation(cfg, self.model, self.tokenizer, self.dims, self.device,
+                                               self.precision) if cfg.evaluation.tasks else None
         self._resume_or_initialise()
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
                  "x pp %d; %d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
@@ -398,13 +399,17 @@ class Trainer:
         return loss_value
 
     def _evaluate_if_due(self, run: _Run) -> None:
-        """Evaluate every `logging.eval_interval` steps and at the end; after the first step (and evaluation),
+        """The validation loss every `logging.eval_interval` steps, the downstream tasks every `evaluation.interval`,
+        both at the end, their time kept out of the steps' throughput; after the first step (and evaluation),
         shorten the collective timeout: building, compiling and the first evaluation's recompiles are behind."""
-        cfg = self.cfg
+        cfg, start = self.cfg, time.perf_counter()
         if cfg.logging.eval_interval and (self.step % cfg.logging.eval_interval == 0 or self.step == run.total):
             validation, run.evaluated = self.evaluate(), True
             if run.writer is not None:
                 run.writer.write_eval({"step": self.step, **validation})
+        if self.downstream is not None and self.downstream.due(self.step, run.total):
+            evaluate_downstream(self.downstream, self.step, run.writer)
+        run.window.exclude(time.perf_counter() - start)
         if run.long_timeout and (run.evaluated or not cfg.logging.eval_interval):
             set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.process_groups(), device=self.device)
             run.long_timeout = False

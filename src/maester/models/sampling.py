@@ -30,10 +30,20 @@ def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperat
 def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None, seed: int = 0,
                  stop_ids: set[int] = frozenset(), on_token: Callable[[int, int], None] | None = None,
-                 vocab_size: int | None = None) -> list[list[int]]:
+                 stop_when: Callable[[int, list[int]], bool] | None = None, device: torch.device | None = None,
+                 cache_dtype: torch.dtype | None = None, most: Callable[[int], int] | None = None,
+                 seq_multiple: int = 1, vocab_size: int | None = None) -> list[list[int]]:
     """`sample` for each of `prompts` at once: they are left-padded to the longest (the padding masked out, each
     row's positions counted from its first token), each row stops on its own, and each samples from its own
-    generator seeded with `seed`, so a prompt gets the tokens it gets alone. `on_token(row, token)`: streaming."""
+    generator seeded with `seed`, so a prompt gets the tokens it gets alone. `on_token(row, token)`: streaming.
+
+    For a model as training shards it: `stop_when(row, tokens)`, the row also ends after a token that makes it true
+    (a stop string in its text). `device` and `cache_dtype`: where the inputs go and what the KV cache holds
+    (default: the weights'; weights offloaded to the CPU, or mixed precision, say otherwise). `most(n)`: the
+    largest `n` of the processes that must run their forwards in step (sharded weights are gathered in every
+    forward): each then runs as many as the longest of them needs. `seq_multiple`: every forward takes a multiple
+    of this many positions (sequence parallel splits them over the ranks): the prompts are left-padded further,
+    and each new token is followed by filler positions that the next step overwrites."""
     context = model.args.max_seq_len
     check_sampling(max_new_tokens, temperature, top_k, top_p, seed, context)
     for prompt in prompts:
@@ -43,20 +53,13 @@ def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is {context}")
     stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
     weight = next(model.parameters())
-    device = weight.device
+    device = device or weight.device
     limits = [min(max_new_tokens, context - len(p)) for p in prompts]
-    longest, steps = max(map(len, prompts)), max(limits)
-    cache = _new_cache(model, len(prompts), longest + steps, device, weight.dtype)
-    pads = torch.tensor([longest - len(p) for p in prompts], device=device)
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
-    positions = None
-    if pads.any():
-        real = (torch.arange(longest, device=device)[None] >= pads[:, None]).long()
-        positions = (real.cumsum(1) - 1).clamp(min=0)
-        logits = _last_logits(model(ids, position_ids=positions, cache=cache, attention_mask=real))
-        positions = positions[:, -1:] + 1
-    else:
-        logits = _last_logits(model(ids, cache=cache))
+    longest, steps = -(-max(map(len, prompts)) // seq_multiple) * seq_multiple, max(limits)
+    if most is not None:
+        steps = most(steps)
+    cache = _new_cache(model, len(prompts), longest + steps + seq_multiple - 1, device, cache_dtype or weight.dtype)
+    logits, positions = _prefill(model, prompts, longest, cache, device)
     generators = [torch.Generator(device=device).manual_seed(seed) for _ in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     done = [limit <= 0 for limit in limits]
@@ -73,11 +76,10 @@ def sample_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int
             out[row].append(token)
             if on_token is not None:
                 on_token(row, token)
-            done[row] = len(out[row]) >= limits[row]
-        if all(done):
+            done[row] = len(out[row]) >= limits[row] or (stop_when is not None and stop_when(row, out[row]))
+        if all(done) if most is None else most(0 if all(done) else 1) == 0:
             break
-        logits = _last_logits(model(torch.tensor(picked, device=device)[:, None], position_ids=positions,
-                                    cache=cache))
+        logits = _decode(model, picked, positions, cache, device, seq_multiple)
         if positions is not None:
             positions = positions + 1
     return out
@@ -102,15 +104,47 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
         raise ValueError(f"--seed must be 0 or more, got {seed}")
 
 
+def _prefill(model: nn.Module, prompts: list[list[int]], length: int, cache, device: torch.device):
+    """One forward over the prompts left-padded to `length`: the logits of their last position, and (with padding)
+    the position of each row's next token."""
+    pads = torch.tensor([length - len(p) for p in prompts], device=device)
+    ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts], device=device)
+    if not pads.any():
+        return _last_logits(model(ids, cache=cache)), None
+    real = (torch.arange(length, device=device)[None] >= pads[:, None]).long()
+    positions = (real.cumsum(1) - 1).clamp(min=0)
+    logits = _last_logits(model(ids, position_ids=positions, cache=cache, attention_mask=real))
+    return logits, positions[:, -1:] + 1
+
+
+def _decode(model: nn.Module, picked: list[int], positions: torch.Tensor | None, cache, device: torch.device,
+            seq_multiple: int) -> torch.Tensor:
+    """The logits after feeding each row its picked token (and `seq_multiple - 1` filler positions after it, whose
+    cache entries the next step overwrites: no query attends to them before that)."""
+    ids = torch.tensor(picked, device=device)[:, None]
+    if seq_multiple == 1:
+        return _last_logits(model(ids, position_ids=positions, cache=cache))
+    fill = seq_multiple - 1
+    ids = torch.cat([ids, ids.new_zeros(len(picked), fill)], dim=1)
+    if positions is not None:
+        positions = positions + torch.arange(seq_multiple, device=device)[None]
+    logits = model(ids, position_ids=positions, cache=cache)
+    cache.length -= fill
+    return _last_logits(logits[:, :1])
+
+
 def _new_cache(model: nn.Module, batch: int, length: int, device: torch.device, dtype: torch.dtype):
-    """A KV cache for `model`, with the key/value heads this process holds (all, or its share under TP)."""
+    """A KV cache for `model`, with the key/value heads this process holds (all, or its share under TP; FSDP
+    gathers its shards of them in the forward)."""
     from torch.distributed.tensor import DTensor
 
     from maester.models.transformer import KVCache
 
     k_proj = next(iter(model.layers.values())).attention.k_proj.weight
-    rows = k_proj.to_local().shape[0] if isinstance(k_proj, DTensor) else k_proj.shape[0]
-    return KVCache(model.args, batch, length, device, dtype, kv_heads=rows // model.args.resolved_head_dim)
+    tp = 1
+    if isinstance(k_proj, DTensor) and "tp" in (k_proj.device_mesh.mesh_dim_names or ()):
+        tp = k_proj.device_mesh.size(k_proj.device_mesh.mesh_dim_names.index("tp"))
+    return KVCache(model.args, batch, length, device, dtype, kv_heads=model.args.n_kv_heads // tp)
 
 
 def _last_logits(logits: torch.Tensor) -> torch.Tensor:
