@@ -3,10 +3,12 @@ again, until it finishes; then it is compared with the same run left alone.
 
     uv run python benchmarks/chaos.py                   # 25 kills, one process, then 10 kills of 2 torchrun ranks
     uv run python benchmarks/chaos.py --kills 6 --nproc 1 --steps 18   # the short form the tests run
+    uv run python benchmarks/chaos.py --async-mode async                # interval saves written in the background
 
 Kills come at random moments after a random step has been logged, and inside the checkpoint code through the
 project's fault points (`_MAESTER_FAULT`: with the files partly written, before the manifest, between the rename
-and the `latest` link); with `--nproc 2` the kill hits one of the two ranks, at random. After every kill it checks
+and the `latest` link; with `--async-mode async` these are inside background writes, while training goes on); with
+`--nproc 2` the kill hits one of the two ranks, at random. After every kill it checks
 that at most one `.tmp` directory is left and at most `keep_last + 1` checkpoints exist (the newest is renamed
 into place before retention deletes the oldest); at the end, that exactly `keep_last` remain, that every logged
 step is in metrics.jsonl once, and that the losses equal the undisturbed run's bit for bit.
@@ -29,12 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("during_save", "before_manifest", "before_latest")
 
 
-def overrides(dump_dir: Path, name: str, steps: int, interval: int, keep_last: int) -> list[str]:
+def overrides(dump_dir: Path, name: str, steps: int, interval: int, keep_last: int,
+              async_mode: str = "off") -> list[str]:
     return [f"--job.dump_dir={dump_dir}", f"--job.name={name}", "--model.flavor=tiny", "--data.seq_len=32",
             f"--training.steps={steps}", "--training.global_batch_size=8", "--training.micro_batch_size=4",
             "--training.device=cpu", "--schedule.warmup_steps=2", "--logging.interval=1",
             f"--checkpoint.interval={interval}", f"--checkpoint.keep_last={keep_last}",
-            "--data.sources=[{\"path\":\"builtin:pydoc\"}]"]
+            f"--checkpoint.async_mode={async_mode}", "--data.sources=[{\"path\":\"builtin:pydoc\"}]"]
 
 
 def command(nproc: int) -> list[str]:
@@ -99,12 +102,13 @@ def run_undisturbed(root: Path, nproc: int, steps: int, interval: int, keep_last
 
 
 def run_chaos(root: Path, *, kills: int, seed: int, nproc: int = 1, steps: int = 24, interval: int = 3,
-              keep_last: int = 2, timeout: float = 900) -> dict:
+              keep_last: int = 2, timeout: float = 900, async_mode: str = "off") -> dict:
     """Kill and resume the run until it finishes; returns the figures and raises AssertionError on a broken
     promise."""
     rng = random.Random(seed)
     job = root / "jobs" / "chaos"
-    first = [str(REPO / "configs" / "demo.toml"), *overrides(root / "jobs", "chaos", steps, interval, keep_last)]
+    first = [str(REPO / "configs" / "demo.toml"),
+             *overrides(root / "jobs", "chaos", steps, interval, keep_last, async_mode)]
     deadline = time.monotonic() + timeout
     killed, attempts, fault_kills = 0, 0, 0
     while True:
@@ -174,6 +178,8 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--keep-last", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-mode", choices=("off", "async"), default="off",
+                        help="checkpoint.async_mode of the killed runs (the undisturbed one saves synchronously)")
     args = parser.parse_args()
     layouts = [(1, args.kills), (2, args.rank_kills)] if not args.nproc else [
         (args.nproc, args.kills if args.nproc == 1 else args.rank_kills)]
@@ -185,7 +191,8 @@ def main() -> None:
             start = time.monotonic()
             reference = run_undisturbed(root, nproc, args.steps, args.interval, args.keep_last)
             result = run_chaos(root, kills=kills, seed=args.seed, nproc=nproc, steps=args.steps,
-                               interval=args.interval, keep_last=args.keep_last, timeout=3600)
+                               interval=args.interval, keep_last=args.keep_last, timeout=3600,
+                               async_mode=args.async_mode)
             same = result["losses"] == reference
             print(f"| {nproc} | {result['kills']} ({result['fault_kills']}) | {result['attempts']} | {args.steps} | "
                   f"{'yes' if same else 'NO'} | {time.monotonic() - start:.0f} |", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -72,3 +73,19 @@ def test_hot_path_profile():
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     groups = {r[1].strip(): (float(r[2]), float(r[3])) for r in rows if r[1].strip() in ("matmul", "attention")}
     assert groups["matmul"][0] > 0 and groups["attention"][1] > 0 and len(rows) == 1 + 4 + 1 + 3
+
+
+def test_checkpoint_io_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_io.py"), "--smoke", "--dir",
+                          str(tmp_path)], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[1].strip() for r in rows[1:]] == [
+        "raw write, 64 MiB blocks + fsync", "save, off: loop blocked (= the whole save)",
+        "save, async: background write", "raw read, cold cache",
+        "load at resume (manifest check + DCP load), cold cache"]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows[1:])
+    figures = json.loads(out.stdout.split("JSON ", 1)[1])
+    assert figures["bytes"] > 1e6 and len(figures["async_blocked_seconds"]) == 1
+    assert figures["blocked_ratio"] > 0 and figures["sync_profile"]["torch.save"] > 0
+    assert list(tmp_path.iterdir()) == []  # its temporary directory is gone

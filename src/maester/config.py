@@ -212,6 +212,15 @@ class CheckpointConfig(Section):
     trust_pickled_rng: bool = False
     """Read a checkpoint's RNG state saved by an older maester (pickled Python objects: loading them can run
     code). Off: such a file is refused with a message; checkpoints of this version hold no pickle."""
+    async_mode: Literal["auto", "off", "async", "pinned"] = "auto"
+    """How the interval saves are written. `off`: the loop waits until the checkpoint is on disk. `async`: the loop
+    waits only while the state is copied to host buffers (as much again as a rank's model and optimizer state, kept
+    and refilled from save to save); a thread writes it, with its collectives on a gloo group of their own. `pinned`:
+    as `async`, into page-locked buffers, for faster copies from a GPU (CUDA only; refused elsewhere). One save at a
+    time: a save waits for the previous one. The last step's save and the save of a stop (SIGTERM, SIGUSR1, the
+    stop file) are written before the run goes on or exits. A background write that fails is logged and recorded
+    in metrics.jsonl, `latest` stays where it was, training goes on and the next interval saves again; a run whose
+    last save failed exits with an error. `auto`: `async` on CUDA, `off` elsewhere."""
 
     @property
     def init_from_hf(self) -> str | None:

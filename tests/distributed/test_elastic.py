@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from maester.cli import main
 from maester.config import load_config
 from maester.train.metrics import read_metrics
 from maester.train.trainer import Trainer, write_seed_checkpoint
@@ -56,4 +57,30 @@ def test_elastic_resume_continues_the_loss_curve(uninterrupted):
     got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
     assert sorted(got) == list(range(1, 9))
     for step in range(1, 9):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
+
+
+def test_async_saves_of_two_fsdp_ranks_resume_on_one(uninterrupted):
+    """Two ranks (FSDP) save step 2 in the background and train on to step 3 (no final save); one process resumes
+    from step 2 to step 4 and continues the straight run's loss curve, as with synchronous saves above."""
+    root, corpus, expected = uninterrupted
+    out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(
+        corpus, root / "jobs", "elastic-async", training__steps=3, checkpoint__save_final="false",
+        checkpoint__async_mode="async", **RUN)], root)
+    assert out.returncode == 0, out.stderr
+    job = root / "jobs" / "elastic-async"
+    shutil.rmtree(job / "checkpoints")
+    shutil.copytree(root / "seed", job / "checkpoints", symlinks=True)
+    out = torchrun(2, ["train", str(job)], root)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert (job / "checkpoints" / "latest").resolve().name == "step-2"
+    events = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
+    assert [(e["event"], e["step"], e["background"]) for e in events] == [("checkpoint", 2, True)]
+    assert sorted(p.name for p in (job / "checkpoints" / "step-2").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                        "__1_0.distcp"]
+    main(["train", str(job), "--training.steps=4"])  # one process, here
+    assert json.loads((job / "checkpoints" / "latest" / "trainer_state.json").read_text())["step"] == 4
+    got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in range(1, 5):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)

@@ -188,3 +188,48 @@ def test_cancel_and_retry_on_a_failing_point(corpus_here):
     assert wait_for_job(recorded_jobs(root / "p001")[-1]["job_id"], TIMEOUT) == "FAILED"
     run_maester(["sweep", "cancel", str(root)], corpus_here)  # do not leave p000 running
     assert job_state(recorded_jobs(root / "p000")[-1]["job_id"]) in ("CANCELLED", "COMPLETING", "PENDING")
+
+
+def test_a_walltime_stop_with_a_background_write_in_flight_saves_before_the_requeue(corpus_here):
+    """checkpoint.async_mode = async: the write of step 4 stalls in its thread (the `slow_write` fault) while training
+    goes on; SLURM's walltime warning (USR1 to the batch shell, whose trap asks for a stop) comes at step 5 or so.
+    The trainer waits for the write in flight, then saves its own step, and only then asks for the requeue; the
+    requeued job resumes from that checkpoint and ends with the uninterrupted losses."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers import clean_env
+
+    steps = 10
+    pool = ThreadPoolExecutor(1)  # the uninterrupted run, beside the SLURM job
+    expected = pool.submit(reference, corpus_here, steps)
+    go_on = corpus_here / "go-on"
+    env = clean_env(_MAESTER_FAULT="slow_write:4", _MAESTER_FAULT_ONCE=str(corpus_here / "stalled-once"),
+                    _MAESTER_HANG_UNTIL=str(go_on), _MAESTER_HANG_SECONDS="300")
+    out = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(
+        corpus_here / "corpus.parquet", corpus_here / "jobs", "walltime",
+        **{**CPU_JOB, "training__steps": steps, "checkpoint__async_mode": "async"})], corpus_here, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = corpus_here / "jobs" / "walltime"
+    (record,) = recorded_jobs(job)
+    wait_for_step(job, 5)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", str(record["job_id"])], check=True)
+    log = job / "logs" / "train.log"
+    deadline = time.time() + TIMEOUT
+    while "waiting for the background write of step-4" not in log.read_text():
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    assert not (job / "requeue-requested").exists() and (job / "checkpoints" / "step-4.tmp").is_dir()
+    go_on.touch()
+    assert wait_for_job(record["job_id"], TIMEOUT, restarts=1) == "COMPLETED"
+    got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
+    assert [got[s] for s in range(1, steps + 1)] == expected.result(timeout=TIMEOUT)
+    pool.shutdown()
+    text = log.read_text()
+    stop = text.index("stopped on request (stop-requested) after step ")
+    stopped_at = int(text[stop:].split("after step ")[1].split()[0])
+    assert text.index("step-4 written in the background") < stop
+    assert f"/step-{stopped_at}; wrote " in text[stop:].splitlines()[0]  # the checkpoint of the stop's own step
+    assert f"/step-{stopped_at} at step {stopped_at}" in text[stop:]  # where the requeued run resumed
+    slurm_out = (job / "logs" / f"{record['job_id']}.out").read_text()
+    assert "time limit near" in slurm_out and "checkpoint written: requeueing" in slurm_out

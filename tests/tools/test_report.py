@@ -88,6 +88,8 @@ def test_report_of_a_finished_job(finished_job, capsys):
     assert lines["tokens seen"] == f"{last['tokens_seen']:,}" == f"{STEPS * 4 * 32:,}"
     assert lines["MFU"].startswith("not measured")
     assert lines["checkpoint"] == f"checkpoints/step-{STEPS}"
+    assert lines["checkpoint saves"] == "1 written (0 in the background)"  # the last step's, its event line
+    assert lines["save times"].startswith("loop blocked ") and "; write " in lines["save times"]
     assert "skipped steps" not in lines
 
 

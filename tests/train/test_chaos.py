@@ -9,11 +9,14 @@ import pytest
 from benchmarks.chaos import run_chaos, run_undisturbed
 
 
-@pytest.mark.parametrize("nproc,kills", [(1, 5), (2, 2)])
-def test_killed_again_and_again_ends_bit_identical(tmp_path, nproc, kills):
+@pytest.mark.parametrize("nproc,kills,async_mode", [(1, 5, "async"), (2, 2, "off")])
+def test_killed_again_and_again_ends_bit_identical(tmp_path, nproc, kills, async_mode):
+    """One process saves with `async_mode = async`: the kills inside saves hit background writes (the fault points
+    run in the save's thread); two ranks save synchronously. The undisturbed runs save synchronously: their losses
+    are the reference for both."""
     steps, interval, keep_last = 15, 3, 2
     reference = run_undisturbed(tmp_path, nproc, steps, interval, keep_last)
     result = run_chaos(tmp_path, kills=kills, seed=nproc, nproc=nproc, steps=steps, interval=interval,
-                       keep_last=keep_last, timeout=600)
+                       keep_last=keep_last, timeout=600, async_mode=async_mode)
     assert result["kills"] >= kills
     assert result["losses"] == reference

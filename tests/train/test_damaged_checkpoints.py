@@ -47,7 +47,8 @@ def losses_after(job, step: int) -> dict[int, float]:
 
 
 def events(job) -> list[dict]:
-    return [r for line in (job / "metrics.jsonl").read_text().splitlines() if "event" in (r := json.loads(line))]
+    return [r for line in (job / "metrics.jsonl").read_text().splitlines()
+            if (r := json.loads(line)).get("event") == "checkpoint_damaged"]
 
 
 def truncate(step):

@@ -1,7 +1,8 @@
 """`maester report JOB`: a one-page PNG dashboard of a job's metrics and a short text summary.
 
 Everything comes from the job directory: `config.json` (model, training.steps), `metrics.jsonl` (training and
-validation records; a running job's half-written last line is ignored), the `COMPLETED` and `requeue-requested`
+validation records, and the checkpoint saves' event lines; a running job's half-written last line is ignored), the
+`COMPLETED` and `requeue-requested`
 markers (the status), `checkpoints/latest` and `slurm_jobs.jsonl` (the restarts after failures). Nothing is
 written into the job directory except the PNG and the summary beside it, so a report can be drawn while the job
 trains.
@@ -25,7 +26,7 @@ from maester.config import Config
 from maester.jobs.slurm import describe_restarts, recorded_jobs
 from maester.plan.record import compared_with_plan
 from maester.train.checkpoint_dirs import newest_complete
-from maester.train.metrics_file import read_metrics
+from maester.train.metrics_file import read_events, read_metrics
 from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE, read_marker
 
 RECENT = 5
@@ -251,6 +252,28 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
 
     checkpoint = newest_complete(job_dir / "checkpoints")
     items.append(("checkpoint", os.path.relpath(checkpoint, job_dir) if checkpoint else "none yet"))
+    items += checkpoint_save_items(job_dir / "metrics.jsonl")
+    return items
+
+
+def checkpoint_save_items(metrics_file: Path) -> list[tuple[str, str]]:
+    """The saves' lines of the summary, from the `checkpoint` and `checkpoint_failed` events of metrics.jsonl:
+    how many, how long the loop was blocked per save and how long the writes took; the newest failure."""
+    events = read_events(metrics_file) if metrics_file.exists() else []
+    saved = [r for r in events if r["event"] == "checkpoint"]
+    failed = [r for r in events if r["event"] == "checkpoint_failed"]
+    if not saved and not failed:
+        return []
+    background = sum(1 for r in saved if r.get("background"))
+    text = f"{len(saved)} written ({background} in the background)" + (f", {len(failed)} failed" if failed else "")
+    items = [("checkpoint saves", text)]
+    times = [f"{name} {statistics.median(values):.2f} s median ({max(values):.2f} s max)"
+             for name, values in (("loop blocked", _values(saved, "checkpoint_blocked_seconds")),
+                                  ("write", _values(saved, "checkpoint_write_seconds"))) if values]
+    if times:
+        items.append(("save times", "; ".join(times)))
+    if failed:
+        items.append(("save failure", f"step {failed[-1]['step']}: {failed[-1].get('error')}"))
     return items
 
 

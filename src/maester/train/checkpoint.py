@@ -28,11 +28,13 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -41,12 +43,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from maester.config import LOAD_MODES, PARTIAL_LOAD_MODES, CheckpointConfig
 from maester.files import fsync_dir, point_link, write_durably
+from maester.train.checkpoint_async import BackgroundSaves, Phases, SaveResult, without_zip_crc32
 from maester.train.checkpoint_files import (
     DAMAGED, MANIFEST, STEP_DIR, TRAINER_STATE, capture_rng_state, dcp_load, describe_files,
     has_optimizer_state, is_complete, load_model_weights, match_model, read_rng_state, read_trainer_state,
     restore_rng_state, single_process_ok, step_dirs, verify_checkpoint,
 )
-from maester.train.faults import maybe_crash
+from maester.train.faults import maybe_crash, maybe_hang
 
 log = logging.getLogger("maester")
 
@@ -104,26 +107,31 @@ def verify_everywhere(path: Path, level: str) -> list[str]:
     return [problem for part in gathered for problem in part]
 
 
+class Checkpointer(BackgroundSaves):
+    """Saves, finds and loads the checkpoints of a job. `async_mode` (`checkpoint.async_mode` resolved by
+    `resolve_async_mode`) says how `save(background=True)` writes; `group`, the process group of the writes'
+    collectives (None: the default group; `background_group` makes one for background writes)."""
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-class Checkpointer:
-    def __init__(self, job_dir: Path, cfg: CheckpointConfig, rank: int = 0):
+    def __init__(self, job_dir: Path, cfg: CheckpointConfig, rank: int = 0, async_mode: str = "off", group=None):
         self.dir = Path(job_dir) / "checkpoints"
         self.cfg, self.rank = cfg, rank
+        super().__init__(async_mode)
+        self.group = group
         self.hold_retention = False
         """Saves delete no older checkpoint while set (the first steps after a load, until they prove the model)."""
+
+    def _write_in_background(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
+        """`_write` in the save's thread; its outcome is logged at once (the loop may be busy for a while) and kept
+        in `result`, a failure as its `error`, not raised: training goes on and the next save tries again."""
+        try:
+            self._write(step, state, files, result)
+        except (Exception, CheckpointException) as e:
+            result.error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {_reason(e)}"
+            log.error("CHECKPOINT NOT WRITTEN: the background save of %s failed: %s. Training goes on; the next save "
+                      "tries again", result.path.name, result.error)
+            return
+        log.info("checkpoint %s written in the background in %.1f s (the loop waited %.2f s)", result.path,
+                 result.write_seconds, result.blocked_seconds)
 
     def latest(self) -> Path | None:
         """The newest complete `step-<N>` (not verified: for reports; a resume uses `resume_point`)."""
@@ -200,7 +208,9 @@ class Checkpointer:
     def set_aside_after(self, loaded: Path) -> list[str]:
         """Move aside (`step-<N>.damaged`) the checkpoints saved after checkpoint `loaded` was loaded, whose model
         turned out not to train, and point `latest` back at it; returns the names moved (rank 0 moves, every rank
-        returns them)."""
+        returns them); a save in flight ends first."""
+        self.wait()
+
         def work() -> list[str]:
             step = read_trainer_state(loaded)["step"]
             moved = [self._move_aside(p).name for p in step_dirs(self.dir)
@@ -231,59 +241,93 @@ class Checkpointer:
             raise ValueError(f"checkpoint directory {self.dir} cannot be written: {e.strerror or e}") from None
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, trainer_state: dict,
-             config_json: str) -> Path:
+             config_json: str, background: bool = False) -> Path:
         """Write checkpoint `step` (a collective call: every rank writes its shards, then checksums its share of
         the files for the manifest), then move `latest` to it. An existing `step-<N>` is never overwritten.
 
-        Without an optimizer only the model is written (a seed checkpoint).
+        Without an optimizer only the model is written (a seed checkpoint). A save first waits for the one in
+        flight. `background` (with `async_mode` async or pinned): return once the state is staged in host memory,
+        and write it in a thread; `poll` and `wait` collect its outcome into `finished`, and a failure there is
+        recorded, not raised. Otherwise the write happens here and a failure is raised.
         """
+        started = time.perf_counter()
+        self.wait()
+        background = background and self.async_mode != "off"
         final = self.dir / f"step-{step}"
-        tmp = self.dir / f"step-{step}.tmp"
         if self.rank == 0:
             self._remove_unfinished()
             self.dir.mkdir(parents=True, exist_ok=True)
-        _barrier()
+        _barrier(self.group)
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+        files = self._small_files(step, trainer_state, config_json)
+        result = SaveResult(step, final, background)
+        if not background:
+            self._write(step, state, files, result)
+            result.blocked_seconds = time.perf_counter() - started
+            self.finished.append(result)
+            return final
+        staged = self._stage(state)
+        del state
+        result.blocked_seconds = time.perf_counter() - started
+        self._submit(result, self._write_in_background, step, staged, files, result)
+        return final
 
+    def _small_files(self, step: int, trainer_state: dict, config_json: str) -> dict[str, bytes | str]:
+        """The files beside DCP's, by name, taken when the save starts: this rank's RNG state, and on rank 0 the
+        config and the trainer state."""
+        rng = io.BytesIO()  # written with open(): a full disk is an OSError, not torch's zip writer's error
+        torch.save(capture_rng_state(), rng)
+        files: dict[str, bytes | str] = {f"rng/rank{self.rank}.pt": rng.getvalue()}
+        if self.rank == 0:
+            files["config.json"] = config_json
+            files[TRAINER_STATE] = json.dumps({"step": step, **trainer_state}, indent=2)
+        return files
+
+    def _write(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
+        """Write `state` and `files` as `step-<N>.tmp`, rename it `step-<N>` and move `latest` (every rank; in the
+        save's thread for a background save). Its times go into `result`; a failure raises ValueError."""
+        final = self.dir / f"step-{step}"
+        tmp = self.dir / f"step-{step}.tmp"
+        clock = Phases(result)
         try:
-            with single_process_ok():
-                dcp.save(state, checkpoint_id=tmp)  # a rank's failure is raised on every rank
+            with single_process_ok(), without_zip_crc32():
+                # a rank's failure is raised on every rank
+                dcp.save(state, checkpoint_id=tmp, process_group=self.group)
         except (OSError, RuntimeError, CheckpointException) as e:
             raise self._not_written(final, tmp, e) from e
+        clock.lap("dcp")
         maybe_crash("during_save", step)
+        maybe_hang(step, "slow_write")
         local_error = None
         try:
             (tmp / "rng").mkdir(exist_ok=True)
-            rng = io.BytesIO()  # written with open(): a full disk is an OSError, not torch's zip writer's error
-            torch.save(capture_rng_state(), rng)
-            write_durably(tmp / "rng" / f"rank{self.rank}.pt", rng.getvalue())
-            if self.rank == 0:
-                write_durably(tmp / "config.json", config_json)
-                write_durably(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}, indent=2))
+            for name, data in files.items():
+                write_durably(tmp / name, data)
         except OSError as e:
             local_error = e
-        _barrier()  # every rank's files are on disk before they are listed
-        files, exists, error = self._describe_shares(tmp, final, local_error)
+        _barrier(self.group)  # every rank's files are on disk before they are listed
+        clock.lap("small_files")
+        listing, exists, error = self._describe_shares(tmp, final, local_error)
         if error is not None:
             raise self._not_written(final, tmp, error)
         if exists:
             raise ValueError(f"{final} already exists: a run never overwrites a checkpoint (is another run using "
                              f"{self.dir.parent}?)")
+        clock.lap("checksums")
         if self.rank == 0:
             try:
                 maybe_crash("before_manifest", step)
-                write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": dict(sorted(files.items()))},
+                write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": dict(sorted(listing.items()))},
                                                           indent=1))
                 os.replace(tmp, final)
                 fsync_dir(self.dir)
             except OSError as e:
                 error = e
-        error = _from_rank_zero(error)  # in place of a barrier: every rank learns whether the rename happened
+        error = _from_rank_zero(error, self.group)  # a barrier too: every rank learns whether the rename happened
         if error is not None:
             raise self._not_written(final, tmp, error)
         if self.rank == 0:
@@ -291,8 +335,9 @@ class Checkpointer:
             self._point_latest_to(final)
             if not self.hold_retention:
                 self._apply_retention(step)
-        _barrier()
-        return final
+        _barrier(self.group)
+        clock.lap("rename_and_retention")
+        result.write_seconds = clock.total()
 
     def _not_written(self, final: Path, tmp: Path, error) -> ValueError:
         """The error of a save that failed (a full disk, a quota): the previous checkpoint is untouched. Rank 0
@@ -322,7 +367,7 @@ class Checkpointer:
         mine = ({} if reason else describe_files(tmp, names[self.rank::world]), self.rank == 0 and final.exists(),
                 reason)
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.group)
         files = {name: entry for part, _, _ in gathered for name, entry in part.items()}
         return files, gathered[0][1], next((r for _, _, r in gathered if r), None)
 
@@ -437,21 +482,21 @@ def _failed_write(directory: Path) -> str | None:
         probe.unlink(missing_ok=True)
 
 
-def _from_rank_zero(error: BaseException | None) -> str | None:
-    """Rank 0's error (or None) on every rank; a barrier too."""
+def _from_rank_zero(error: BaseException | None, group=None) -> str | None:
+    """Rank 0's error (or None) on every rank of `group` (None: all); a barrier too."""
     import torch.distributed as dist
 
     reason = None if error is None else _reason(error)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return reason
     box = [reason]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=group)
 
 
 

@@ -196,10 +196,15 @@ class MetricsWriter:
         else:
             log.info(line)
 
-    def write_event(self, record: dict) -> None:
+    def write_event(self, record: dict, sink_step: int | None = None) -> None:
         """An event line ({"event": ..., "step": ...}), e.g. a damaged checkpoint moved aside at resume; readers of
-        the steps skip it."""
-        self._file.write(json.dumps(record) + "\n")
+        the steps skip it (`read_events` reads them). `sink_step`: the sinks also get the record's numbers, at that
+        step (a checkpoint's are known steps after its own, and W&B takes no step twice)."""
+        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
+        if sink_step is not None:
+            values = scalars(record)
+            for sink in self.sinks:
+                sink.log(sink_step, values)
 
     def _to_sinks(self, record: dict) -> None:
         values = scalars(record)

@@ -23,7 +23,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def read_events(path: Path) -> list[dict]:
     """The event lines ({"event": ..., "step": ...}), in the order they were written: a damaged checkpoint moved
-    aside, a stop on request (`stop`)."""
+    aside, a stop on request (`stop`), each checkpoint save (`checkpoint`, `checkpoint_failed`)."""
     return [record for record in _records(path) if "event" in record]
 
 

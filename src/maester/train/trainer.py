@@ -29,12 +29,14 @@ from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
 from maester.train.checkpoint import Checkpointer, resolve_checkpoint
+from maester.train.checkpoint_async import SaveResult, background_group, resolve_async_mode
 from maester.train.checkpoint_dirs import check_seedable
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.downstream import DownstreamEvaluation, evaluate_downstream
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
 from maester.train.hf_weights import fetch_before_process_group, load_hf_weights
+from maester.train.init_from import check_stable_phase, check_steps_left
 from maester.models.moe import moe_metrics, update_expert_bias
 from maester.train.metrics import (
     MetricsWindow,
@@ -84,7 +86,8 @@ class _Run:
     peak_flops: float | None
     first_step: int  # logged whatever logging.interval says: step 1, or the first after step_offset or init_from
     evaluated: bool = False
-    last_checkpoint: Path | None = None
+    last_checkpoint: Path | None = None  # the newest complete one this run wrote
+    failed_save: SaveResult | None = None  # the newest save, where it failed
     loss_value: float | None = None
     stop_reason: str | None = None
 
@@ -115,7 +118,9 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.precision = resolve_precision(cfg.training.precision, cfg.parallel.param_dtype, self.device.type,
                                            self.dims.fsdp_enabled)
-        self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank)
+        async_mode = resolve_async_mode(cfg.checkpoint.async_mode, self.device.type)
+        self.checkpointer = Checkpointer(self.job_dir, cfg.checkpoint, self.rank, async_mode,
+                                         background_group(async_mode, cfg.training.init_timeout_seconds))
         self._latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
         # A resume overwrites every weight and restores the RNG: the random init would be work thrown away.
         self._resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
@@ -249,12 +254,16 @@ class Trainer:
                 if self.step % self.cfg.logging.interval == 0 or self.step in (run.first_step, run.total):
                     run.loss_value = self._log(run, loss, grad_norm, lr_mult)
                 self._evaluate_if_due(run)
-                if self._checkpoint_due():
-                    run.last_checkpoint = self._save_checkpoint()
+                if self._checkpoint_due():  # the last step's save is written before the run ends
+                    self._save_checkpoint(run, background=self.step < run.total)
+                self._record_saves(run)
                 maybe_crash("after_step", self.step)
                 if self._stopped_on_request(run):
                     break
             run.stops.drain()
+            self._record_saves(run, wait=True)
+            if run.failed_save is not None:
+                raise ValueError(f"ended at step {self.step} without its last checkpoint: {run.failed_save.error}")
         if run.stop_reason is None and self.rank == 0:
             mark_completed(self.job_dir, self.step, run.last_checkpoint or self.checkpointer.latest())
         return TrainResult(self.step, run.loss_value, run.last_checkpoint or self.checkpointer.latest(),
@@ -295,9 +304,12 @@ class Trainer:
         try:
             yield run
         except NonFiniteError as e:
+            self.checkpointer.wait()
             latest = self.checkpointer.latest()
             raise NonFiniteError(f"{e}; latest checkpoint: {latest or 'none'}", e.step) from None
         finally:
+            self.checkpointer.close()  # a save in flight is finished (or fails) before the process goes on
+            self._record_saves(run)
             if gc_interval:
                 gc.enable()
             run.stops.restore()
@@ -408,8 +420,9 @@ class Trainer:
         run.stop_reason = run.stops.agree() if self.step < run.total else None
         if run.stop_reason is None:
             return False
+        self._record_saves(run, wait=True)  # this step's own save may be in flight: it counts once it is complete
         if run.last_checkpoint is None or run.last_checkpoint.name != f"step-{self.step}":
-            run.last_checkpoint = self._save_checkpoint()
+            self._save_checkpoint(run, background=False)
         if run.writer is not None:  # what `maester status` counts as a requeue or a stopped link
             run.writer.write_event(stop_event(self.step, run.stop_reason, run.last_checkpoint))
         run.stops.acknowledge(self.step, run.stop_reason, run.last_checkpoint)
@@ -417,15 +430,29 @@ class Trainer:
                  self.step, run.total, run.last_checkpoint, self.job_dir / REQUEUE_FILE)
         return True
 
-    def _save_checkpoint(self) -> Path:
+    def _save_checkpoint(self, run: _Run, background: bool) -> None:
+        """Save this step; `background` (checkpoint.async_mode async or pinned): staged, then written by a thread."""
         self.nonfinite.check()  # a run that went non-finite under `stop` raises here, before the damage is saved
         path = self.checkpointer.save(
             self.step, self.model, self.optimizer,
             {"data": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
              "schedule_start": self.schedule_start, **self.provenance,
-             **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, self.cfg.to_json())
-        log.info("saved checkpoint %s", path)
-        return path
+             **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, self.cfg.to_json(),
+            background=background)
+        log.info("staged checkpoint %s; writing it in the background" if background and
+                 self.checkpointer.async_mode != "off" else "saved checkpoint %s", path)
+        self._record_saves(run)
+
+    def _record_saves(self, run: _Run, wait: bool = False) -> None:
+        """The saves that ended (`wait`: the one in flight too): the newest complete is `run.last_checkpoint`, a failed
+        one `run.failed_save` until a later one succeeds; rank 0 writes each one's event line into metrics.jsonl."""
+        for result in self.checkpointer.collect(wait):
+            if result.error is None:
+                run.last_checkpoint, run.failed_save = result.path, None
+            else:
+                run.failed_save = result
+            if run.writer is not None:
+                run.writer.write_event(result.event(), sink_step=self.step)
 
     def _forward_backward(self, micro_batches, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the step loss: token losses summed, divided by the label tokens of the whole step
@@ -553,36 +580,6 @@ def stop_event(step: int, reason: str, checkpoint: Path) -> dict:
         if os.environ.get("SLURM_JOB_ID") else {}
     return {"event": "stop", "step": step, "reason": reason, "checkpoint": checkpoint.name,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **slurm}
-
-
-def check_steps_left(cfg: Config) -> None:
-    """A run that takes its step from `checkpoint.init_from` must have steps left before `training.steps`, the number
-    of its last step; checked from the checkpoint's trainer_state.json, before anything is loaded. (A
-    `checkpoint.step_offset` past the end is refused with the config.)"""
-    c, total = cfg.checkpoint, cfg.training.steps
-    if not c.init_from or c.init_from_hf is not None or "step" not in LOAD_MODES[c.load_mode]:
-        return
-    source = resolve_checkpoint(c.init_from)
-    step = read_trainer_state(source)["step"]
-    if step >= total:
-        raise ValueError(f"checkpoint.init_from {source} is at step {step} and checkpoint.load_mode = {c.load_mode!r} "
-                         f"continues from it, but training.steps = {total}: training.steps is the number of the last "
-                         f"step, not a count; to train {total} more steps, set training.steps = {step + total}")
-
-
-def check_stable_phase(source: Path, cfg: Config) -> None:
-    """A cooldown starts where the source run's LR stood at its peak; refuse a checkpoint taken in its warmup or
-    decay, and say so where the cooldown's base LR differs from the source's."""
-    state = read_trainer_state(source)
-    source_cfg = Config.from_json_file(source / "config.json")
-    step, start = state["step"], state.get("schedule_start", 0)
-    mult = lr_multiplier(source_cfg.schedule, step - start, source_cfg.training.steps - start)
-    if mult != 1.0:
-        raise ValueError(f"checkpoint.load_mode = 'cooldown': {source} (step {step}) is not in the stable phase of "
-                         f"its schedule ({source_cfg.schedule.name}): its LR multiplier there is {mult:.4g}, not 1")
-    if source_cfg.optimizer.lr != cfg.optimizer.lr:
-        log.warning("cooldown from %s: optimizer.lr is %g here and was %g there", source, cfg.optimizer.lr,
-                    source_cfg.optimizer.lr)
 
 
 def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
