@@ -33,24 +33,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--top", type=int, default=12, help="ops of 'the rest' listed")
+    parser.add_argument("--quick", action="store_true", help="the tiny shapes of peers.py --quick (a smoke test)")
     args = parser.parse_args()
 
     import torch
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.peers import FULL, hf_llama, our_args
+    from benchmarks.peers import FULL, QUICK, hf_llama, our_args
     from maester.models.hf_tensors import state_dict_to_hf
     from maester.models.transformer import Transformer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    margs = our_args(FULL)
+    shape = QUICK if args.quick else FULL
+    margs = our_args(shape)
     ours = Transformer(margs)
     ours.init_weights()
     peer = hf_llama(margs)
     peer.load_state_dict(state_dict_to_hf("llama", margs, ours.state_dict()), strict=False)
-    batch, seq = FULL["fb_tokens"]
+    batch, seq = shape["fb_tokens"]
     ids = torch.randint(0, margs.vocab_size, (batch, seq))
     labels = torch.randint(0, margs.vocab_size, (batch, seq))
 
@@ -77,12 +79,12 @@ def main() -> None:
     for name, ops in by_op.items():
         for op, ms in ops.items():
             totals[name][group_of(op)] += ms
-    print(f"forward + backward, {batch} x {seq} tokens, 6 x 384, {args.threads} thread(s), torch {torch.__version__}")
+    print(f"forward + backward, {batch} x {seq} tokens, {margs.n_layers} x {margs.dim}, {args.threads} thread(s), torch {torch.__version__}")
     print("| ops | maester ms | transformers ms |")
     print("|---|---|---|")
     for group in ("matmul", "attention", "the rest"):
-        print(f"| {group} | {totals['maester'][group]:.0f} | {totals['transformers'][group]:.0f} |")
-    print(f"| **total** | {sum(totals['maester'].values()):.0f} | {sum(totals['transformers'].values()):.0f} |")
+        print(f"| {group} | {totals['maester'][group]:.1f} | {totals['transformers'][group]:.1f} |")
+    print(f"| **total** | {sum(totals['maester'].values()):.1f} | {sum(totals['transformers'].values()):.1f} |")
     rest = sorted({op for ops in by_op.values() for op in ops if group_of(op) == "the rest"},
                   key=lambda op: -max(by_op["maester"].get(op, 0), by_op["transformers"].get(op, 0)))
     print()
@@ -91,10 +93,11 @@ def main() -> None:
     for op in rest[:args.top]:
         print(f"| `{op}` | {by_op['maester'].get(op, 0):.1f} | {by_op['transformers'].get(op, 0):.1f} |")
     in_model = matmul_flops / totals["maester"]["matmul"] / 1e6
-    alone = gemm_rate(torch)
+    n = 512 if args.quick else 2048
+    alone = gemm_rate(torch, n)
     floor = matmul_flops / alone / 1e6 + totals["maester"]["attention"]
     print()
-    print(f"matmul in our model: {matmul_flops / 1e9:.0f} GFLOP at {in_model:.0f} GFLOP/s; a 2048^3 GEMM alone: "
+    print(f"matmul in our model: {matmul_flops / 1e9:.0f} GFLOP at {in_model:.0f} GFLOP/s; a {n}^3 GEMM alone: "
           f"{alone:.0f} GFLOP/s ({in_model / alone:.0%})")
     print(f"our time with every matmul at that rate and the rest at zero: {floor:.0f} ms = "
           f"{floor / sum(totals['transformers'].values()):.2f}x transformers' measured time")

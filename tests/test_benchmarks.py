@@ -67,7 +67,7 @@ def test_peers_quick(tmp_path):
 
 
 def test_hot_path_profile():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.hot_path", "--top", "3"], cwd=REPO, env=clean_env(),
+    out = subprocess.run([sys.executable, "-m", "benchmarks.hot_path", "--top", "3", "--quick"], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
