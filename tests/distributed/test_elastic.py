@@ -37,8 +37,8 @@ def leg(nproc, job, steps, root):
 
 
 def test_elastic_resume_continues_the_loss_curve(uninterrupted):
-    """4 -> 2 -> 1 ranks, then back up to 4: resharded model and optimizer, the same global data position."""
-    ranks = (4, 2, 1, 4)
+    """4 -> 1 rank, then up to 2: resharded model and optimizer, the same global data position."""
+    ranks = (4, 1, 2)
     root, corpus, expected = uninterrupted
     name = "elastic-" + "-".join(map(str, ranks))
     out = run_maester(["submit", "--no-submit", str(DEMO_CONFIG), *tiny_overrides(corpus, root / "jobs", name, training__steps=2,
@@ -55,8 +55,8 @@ def test_elastic_resume_continues_the_loss_curve(uninterrupted):
         assert sorted(map(int, streams)) == list(range(8))
         assert all(s["windows"] == state["step"] for s in streams.values())
     got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
-    assert sorted(got) == list(range(1, 9))
-    for step in range(1, 9):
+    assert sorted(got) == list(range(1, 2 * len(ranks) + 1))
+    for step in sorted(got):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), (step, got, expected)
 
 
