@@ -535,7 +535,8 @@ def captured_logs(stream=None):
     finally:
         for handler in logger.handlers:
             handler.close()
-        logger.handlers, logger.level = saved, level
+        logger.handlers = saved
+        logger.setLevel(level)  # not the attribute: setLevel also clears the logger's cached checks
 
 
 def run_in_process(args: list[str], timeout: int = 120) -> tuple[int, str, str]:

@@ -168,7 +168,8 @@ def train_simulated(cfg: Config, world: int, steps: int) -> Run:
     # The build's info lines would format the simulated ranks' own ints (`rank %d`), which only LocalTensorMode
     # reads: what a handler may do with them depends on the tests run before in this process.
     logger = logging.getLogger("maester")
-    level, logger.level = logger.level, logging.WARNING
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # setLevel, not the attribute: it also clears the logger's cached checks
     try:
         dims = ParallelDims.from_config(cfg, world)
         precision = resolve_precision("fp32", "auto", "cpu", dims.fsdp_enabled)
@@ -194,7 +195,7 @@ def train_simulated(cfg: Config, world: int, steps: int) -> Run:
                 run.grad_norms.append(math.sqrt(squares))
         return run
     finally:
-        logger.level = level
+        logger.setLevel(level)
         dist.destroy_process_group()
 
 
