@@ -4,7 +4,6 @@ preemption with requeue, cancel and retry. Each job is the tiny model on CPU."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from maester.jobs.slurm import recorded_jobs
 from maester.tools.job_status import status_items
-from maester.train.metrics_file import read_events, read_metrics
+from maester.train.metrics_file import read_metrics
 from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides
 from tests.slurm.conftest import job_state, wait_for_job
 
@@ -27,9 +26,11 @@ def losses(job: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(job / "metrics.jsonl")]
 
 
-def submit(tmp_path, name, *args, **extra) -> Path:
+def submit(tmp_path, name, *args, env: dict | None = None, **extra) -> Path:
+    """Submit the tiny run as job `name`; `env`: the environment sbatch passes on to the job (fault injection)."""
     out = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(tmp_path / "corpus.parquet", tmp_path / "jobs",
-                                                                  name, **{**CPU_JOB, **extra}), *args], tmp_path)
+                                                                  name, **{**CPU_JOB, **extra}), *args], tmp_path,
+                      env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp_path / "jobs" / name
 
@@ -59,6 +60,21 @@ def wait_for_step(job: Path, step: int, timeout: float = TIMEOUT) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"{job} did not reach step {step} in {timeout} s")
+
+
+def wait_for_text(path: Path, text: str, timeout: float = TIMEOUT) -> None:
+    """Until `text` is in the file at `path` (a log the job appends to)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and text in path.read_text():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{path}: {text!r} not seen in {timeout} s")
+
+
+def standing_still(step: int) -> str:
+    """The line of the `hang` fault (`maester.train.faults`) at `step`: the run waits for the test."""
+    return f"standing still at step {step} "
 
 
 def test_a_submitted_job_completes_with_its_metrics(corpus_here):
@@ -106,20 +122,20 @@ def test_a_sweep_of_three_points_runs_and_reports(corpus_here):
 
 
 def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
-    steps = 24
+    from tests.helpers import clean_env
+
+    steps = 16
     expected = reference(corpus_here, steps)
-    job = submit(corpus_here, "chain", "--chain", "3", training__steps=steps, slurm__requeue="false")
+    # The walltime warning of links 1 and 2, while each stands still after its step 3 and 9 (the `hang` fault, until
+    # the stop file exists): the script's trap touches this same file. Links 2 and 3 resume past their hang.
+    stop_file = corpus_here / "jobs" / "chain" / "stop-requested"
+    env = clean_env(_MAESTER_FAULT="hang:3,hang:9", _MAESTER_HANG_UNTIL=str(stop_file), _MAESTER_HANG_SECONDS="300")
+    job = submit(corpus_here, "chain", "--chain", "3", env=env, training__steps=steps, slurm__requeue="false")
     links = [r["job_id"] for r in recorded_jobs(job)]
     assert len(links) == 3
-    # The walltime warning of links 1 and 2, early: the script's trap touches this same file. The trainer sees it a
-    # few steps after the touch (more on a loaded machine), so link 2 is asked only once it trains: a touch while
-    # link 1 still stops would be the same request, and link 2's script removes the file when it starts.
-    wait_for_step(job, 3)
-    (job / "stop-requested").touch()
-    assert wait_for_job(links[0], TIMEOUT) == "COMPLETED"
-    (stop,) = [e for e in read_events(job / "metrics.jsonl") if e["event"] == "stop"]
-    wait_for_step(job, stop["step"] + 1)
-    (job / "stop-requested").touch()
+    for step in (3, 9):
+        wait_for_text(job / "logs" / "train.log", standing_still(step))
+        stop_file.touch()
     assert [wait_for_job(j, TIMEOUT) for j in links] == ["COMPLETED"] * 3
     got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
     assert max(got) == steps and [got[s] for s in range(1, steps + 1)] == expected
@@ -132,14 +148,9 @@ def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
     start = time.perf_counter()
     items = dict(status_items(job))
     assert time.perf_counter() - start < 5
-    # The trainer sees the stop file at its next step boundary: on a loaded machine a step or two after the touch.
-    shape = (rf"{links[0]} STOPPED \(link 1 of 3\): time limit at step (\d+), checkpointed \(SLURM: COMPLETED\), "
-             rf"{links[1]} STOPPED \(link 2 of 3\): time limit at step (\d+), checkpointed \(SLURM: COMPLETED\), "
-             rf"{links[2]} COMPLETED \(link 3 of 3\)")
-    match = re.fullmatch(shape, items["slurm"])
-    assert match, items["slurm"]
-    first, second = int(match[1]), int(match[2])
-    assert 3 <= first == stop["step"] < second < steps, items["slurm"]
+    assert items["slurm"] == (f"{links[0]} STOPPED (link 1 of 3): time limit at step 3, checkpointed (SLURM: "
+                              f"COMPLETED), {links[1]} STOPPED (link 2 of 3): time limit at step 9, checkpointed "
+                              f"(SLURM: COMPLETED), {links[2]} COMPLETED (link 3 of 3)")
     assert items["stops"].startswith("2 for a time limit") and items["checkpoint"].startswith(f"step-{steps}, ")
 
 
@@ -147,6 +158,10 @@ def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
 def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_here, mode, workers):
     """`scontrol requeue` signals the whole job, loader workers included (data.num_workers > 0): they leave the
     stop to the trainer, which saves; the requeued run waits for the lock and resumes."""
+    import subprocess
+
+    from tests.helpers import clean_env
+
     steps = 20
     extra = {"data__num_workers": workers}
     if mode == "sft":
@@ -156,12 +171,17 @@ def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_he
         extra.update(data__mode="sft", data__seq_len=128,
                      data__sources=json.dumps([{"path": str(corpus_here / "chats.jsonl")}]))
     expected = reference(corpus_here, steps, **extra)
-    job = submit(corpus_here, "preempted", training__steps=steps, **extra)
+    # The requeue's SIGTERM while the run stands still after step 6 (the `hang` fault), released once torchrun
+    # has it: the trainer stops with steps to spare, however slow the machine.
+    go_on = corpus_here / "go-on"
+    env = clean_env(_MAESTER_FAULT="hang:6", _MAESTER_FAULT_ONCE=str(corpus_here / "hung-once"),
+                    _MAESTER_HANG_UNTIL=str(go_on), _MAESTER_HANG_SECONDS="300")
+    job = submit(corpus_here, "preempted", env=env, training__steps=steps, **extra)
     (record,) = recorded_jobs(job)
-    wait_for_step(job, 6)
-    import subprocess
-
+    wait_for_text(job / "logs" / "train.log", standing_still(6))
     subprocess.run(["scontrol", "requeue", record["job_id"]], check=True)
+    wait_for_text(job / "logs" / f"{record['job_id']}.err", " death signal, shutting down workers")
+    go_on.touch()
     assert wait_for_job(record["job_id"], TIMEOUT, restarts=1) == "COMPLETED"
     got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
     assert [got[s] for s in range(1, steps + 1)] == expected
@@ -224,6 +244,10 @@ def test_a_walltime_stop_with_a_background_write_in_flight_saves_before_the_requ
         assert time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.2)
     assert not (job / "requeue-requested").exists() and (job / "checkpoints" / "step-4.tmp").is_dir()
+    deadline = time.time() + TIMEOUT  # the trap's touch; nothing removes the file while the trainer waits
+    while not (job / "stop-requested").exists():
+        assert time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
     go_on.touch()
     assert wait_for_job(record["job_id"], TIMEOUT, restarts=1) == "COMPLETED"
     got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
