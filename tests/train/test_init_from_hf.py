@@ -87,11 +87,13 @@ def test_fsdp_run_starts_from_the_hf_weights(source, tmp_path):
     hub = MockHub()
     try:
         hub.add("org/tiny-gemma3", {f.name: f.read_bytes() for f in (root / "hf").iterdir()})
-        hub.delays[".safetensors"] = 8.0
-        hub_overrides = dict(overrides, checkpoint__init_from="hf:org/tiny-gemma3", training__init_timeout_seconds=5)
+        # the collective timeout: above the ranks' skew in setup on a loaded machine, below the download
+        hub.delays[".safetensors"] = 15.0
+        hub_overrides = dict(overrides, checkpoint__init_from="hf:org/tiny-gemma3", training__init_timeout_seconds=10)
         cfg = load_config(None, tiny_overrides(corpus, root / "jobs", "fsdp", **hub_overrides), environ={})
         write_job_dir(cfg)
-        run = torchrun(2, ["train", str(cfg.job_dir)], root, env=hub_env(hub, tmp_path / "hf-home"))
+        run = torchrun(2, ["train", str(cfg.job_dir)], root,  # the Hub client waits longer than the delay
+                       env=hub_env(hub, tmp_path / "hf-home", HF_HUB_DOWNLOAD_TIMEOUT="60"))
     finally:
         hub.stop()
     assert run.returncode == 0, run.stderr[-4000:]
