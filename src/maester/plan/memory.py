@@ -103,10 +103,10 @@ def trackers_skip_sharding_propagation() -> bool:
 
 def require_trackers() -> None:
     if not trackers_skip_sharding_propagation():
-        raise PlanUnsupported(f"torch {torch.__version__}'s memory trackers count the tensors DTensor makes to "
-                              f"propagate shardings (fixed by pytorch/pytorch#183970, in torch 2.15), so its "
-                              f"prediction would be wrong: plan with a torch that has the fix (`uv sync` installs "
-                              f"2.15); training with this torch is not affected")
+        raise PlanUnsupported(f"torch {torch.__version__}'s memory trackers miscount a step on fake DTensors (they "
+                              f"count DTensor's sharding propagation, pytorch/pytorch#183970, and FSDP's gathered "
+                              f"parameters), so its prediction would be wrong: plan with torch 2.15 or later (`uv "
+                              f"sync` installs it); training with this torch is not affected")
 
 
 def _tracker_classes():
