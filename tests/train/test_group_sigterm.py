@@ -14,6 +14,7 @@ import time
 import pytest
 
 from benchmarks.chaos import children_of
+from maester.train.metrics_file import read_metrics
 from maester.train.preemption import REQUEUE_EXIT_CODE, REQUEUE_FILE
 from tests.data.test_sft import write_conversations
 from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, write_corpus
@@ -37,8 +38,8 @@ def overrides(tmp_path, mode: str, name: str) -> list[str]:
 
 
 def losses(job) -> dict[int, float]:
-    lines = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+    """Read while the trainer appends: a last line still being written is not a record yet."""
+    return {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl") if "loss" in r}
 
 
 @pytest.mark.parametrize("mode", ["pretrain", "sft"])
