@@ -4,6 +4,7 @@ preemption with requeue, cancel and retry. Each job is the tiny model on CPU."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from maester.jobs.slurm import recorded_jobs
 from maester.tools.job_status import status_items
 from maester.train.metrics_file import read_metrics
-from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides
+from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides
 from tests.slurm.conftest import job_state, wait_for_job
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -52,24 +53,28 @@ def corpus_here(tmp_path):
     return tmp_path
 
 
-def wait_for_step(job: Path, step: int, timeout: float = TIMEOUT) -> None:
+def wait_until(done, timeout: float = TIMEOUT) -> bool:
+    """Poll `done()` every 0.2 s until it is true (True) or `timeout` seconds have passed (False)."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        metrics = job / "metrics.jsonl"
-        if metrics.is_file() and any(r.get("step", 0) >= step for r in read_metrics(metrics)):
-            return
+    while not done():
+        if time.time() > deadline:
+            return False
         time.sleep(0.2)
-    raise TimeoutError(f"{job} did not reach step {step} in {timeout} s")
+    return True
+
+
+def wait_for_step(job: Path, step: int, timeout: float = TIMEOUT) -> None:
+    metrics = job / "metrics.jsonl"
+    if not wait_until(lambda: metrics.is_file() and any(r.get("step", 0) >= step for r in read_metrics(metrics)),
+                      timeout):
+        raise TimeoutError(f"{job} did not reach step {step} in {timeout} s")
 
 
 def wait_for_text(path: Path, text: str, timeout: float = TIMEOUT) -> None:
     """Until `text` is in the file at `path` (a log the job appends to)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.is_file() and text in path.read_text():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{path}: {text!r} not seen in {timeout} s")
+    if not wait_until(lambda: path.is_file() and text in path.read_text(), timeout):
+        tail = path.read_text()[-3000:] if path.is_file() else "(no such file)"
+        raise TimeoutError(f"{path}: {text!r} not seen in {timeout} s; it ends:\n{tail}")
 
 
 def standing_still(step: int) -> str:
@@ -122,8 +127,6 @@ def test_a_sweep_of_three_points_runs_and_reports(corpus_here):
 
 
 def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
-    from tests.helpers import clean_env
-
     steps = 16
     expected = reference(corpus_here, steps)
     # The walltime warning of links 1 and 2, while each stands still after its step 3 and 9 (the `hang` fault, until
@@ -158,10 +161,6 @@ def test_a_chain_of_three_jobs_finishes_one_run(corpus_here):
 def test_a_preempted_job_requeues_and_ends_with_the_uninterrupted_loss(corpus_here, mode, workers):
     """`scontrol requeue` signals the whole job, loader workers included (data.num_workers > 0): they leave the
     stop to the trainer, which saves; the requeued run waits for the lock and resumes."""
-    import subprocess
-
-    from tests.helpers import clean_env
-
     steps = 20
     extra = {"data__num_workers": workers}
     if mode == "sft":
@@ -219,10 +218,7 @@ def test_a_walltime_stop_with_a_background_write_in_flight_saves_before_the_requ
     goes on; SLURM's walltime warning (USR1 to the batch shell, whose trap asks for a stop) comes at step 5 or so.
     The trainer waits for the write in flight, then saves its own step, and only then asks for the requeue; the
     requeued job resumes from that checkpoint and ends with the uninterrupted losses."""
-    import subprocess
     from concurrent.futures import ThreadPoolExecutor
-
-    from tests.helpers import clean_env
 
     steps = 10
     pool = ThreadPoolExecutor(1)  # the uninterrupted run, beside the SLURM job
@@ -230,24 +226,15 @@ def test_a_walltime_stop_with_a_background_write_in_flight_saves_before_the_requ
     go_on = corpus_here / "go-on"
     env = clean_env(_MAESTER_FAULT="slow_write:4", _MAESTER_FAULT_ONCE=str(corpus_here / "stalled-once"),
                     _MAESTER_HANG_UNTIL=str(go_on), _MAESTER_HANG_SECONDS="300")
-    out = run_maester(["submit", str(DEMO_CONFIG), *tiny_overrides(
-        corpus_here / "corpus.parquet", corpus_here / "jobs", "walltime",
-        **{**CPU_JOB, "training__steps": steps, "checkpoint__async_mode": "async"})], corpus_here, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    job = corpus_here / "jobs" / "walltime"
+    job = submit(corpus_here, "walltime", env=env, training__steps=steps, checkpoint__async_mode="async")
     (record,) = recorded_jobs(job)
     wait_for_step(job, 5)
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(record["job_id"])], check=True)
     log = job / "logs" / "train.log"
-    deadline = time.time() + TIMEOUT
-    while "waiting for the background write of step-4" not in log.read_text():
-        assert time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
+    wait_for_text(log, "waiting for the background write of step-4")
     assert not (job / "requeue-requested").exists() and (job / "checkpoints" / "step-4.tmp").is_dir()
-    deadline = time.time() + TIMEOUT  # the trap's touch; nothing removes the file while the trainer waits
-    while not (job / "stop-requested").exists():
-        assert time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
+    # the trap's touch; nothing removes the file while the trainer waits
+    assert wait_until(lambda: (job / "stop-requested").exists()), log.read_text()[-3000:]
     go_on.touch()
     assert wait_for_job(record["job_id"], TIMEOUT, restarts=1) == "COMPLETED"
     got = {r["step"]: r["loss"] for r in read_metrics(job / "metrics.jsonl")}
