@@ -27,6 +27,7 @@ def test_submit_refuses_a_job_planned_to_run_out_of_memory_unless_forced(tmp_pat
     assert exit_info.value.code == exit_codes.BAD_INPUT
     err = capsys.readouterr().err
     assert "runs out of memory by" in err and "--force" in err and "optimizer state" in err, err
+    assert "planned again" in err and "  --parallel." in err, err  # the changes that would fit, for the refusal
     assert not (tmp_path / "big").exists()  # nothing written
 
     main(args + ["--force"])

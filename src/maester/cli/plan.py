@@ -90,7 +90,7 @@ def plan_before_submit(cfg, force: bool) -> dict | None:
     a job predicted to run out of memory refused with the plan's table unless `force`. Returns what plan.json
     holds; a plan this torch cannot make (`PlanUnsupported`) is said and recorded, and the job goes on."""
     from maester.jobs.slurm import SubmitError
-    from maester.plan.make import make_plan
+    from maester.plan.make import hours_text, make_plan, with_alternatives
     from maester.plan.memory import PlanUnsupported
     from maester.plan.table import format_plan
 
@@ -99,16 +99,15 @@ def plan_before_submit(cfg, force: bool) -> dict | None:
         return None
     gpu, gpu_from = declared_gpu(cfg)
     try:
-        # The changes that would fit are planned only for a refusal: a forced job goes as it is.
-        plan = make_plan(cfg, gpus, gpu, source=f"job {cfg.job.name}", gpu_from=gpu_from, advise=not force)
+        plan = make_plan(cfg, gpus, gpu, source=f"job {cfg.job.name}", gpu_from=gpu_from, advise=False)
     except PlanUnsupported as e:
         print(f"maester submit: no plan: {e}", file=sys.stderr)
         return {"not_made": str(e)}
-    if plan.verdict.kind == "out_of_memory" and not force:
+    if plan.verdict.kind == "out_of_memory" and not force:  # the changes that would fit: for a refusal only
         raise SubmitError(f"the plan predicts this job runs out of memory (--force submits it all the same):\n"
-                          f"{format_plan(plan)}")
+                          f"{format_plan(with_alternatives(plan, cfg))}")
     t = plan.throughput
     print(f"plan: {gpus} x {plan.gpu}: {plan.verdict.line}; about {t.tokens_per_second:,.0f} tokens/s, "
-          f"{t.gpu_hours:,.{0 if t.gpu_hours >= 10 else 2}f} GPU-hours to step {t.steps:,} (`maester plan` for the "
+          f"{hours_text(t.gpu_hours)} GPU-hours to step {t.steps:,} (`maester plan` for the "
           f"table)", file=sys.stderr)
     return plan.to_json()

@@ -4,7 +4,7 @@ verdict, the changes that would fit when it does not (`advice`), and the time to
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -35,6 +35,11 @@ class Verdict:
 def gib_text(value: float) -> str:
     """GiB as the plan prints them: two decimals below 10."""
     return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def hours_text(value: float) -> str:
+    """GPU-hours as the plan prints them: whole above 10, two decimals below."""
+    return f"{value:,.{0 if value >= 10 else 2}f}"
 
 
 def verdict(peak_gib: float, memory_gib: float) -> Verdict:
@@ -122,11 +127,16 @@ def make_plan(cfg: Config, gpus: int, gpu: str, *, source: str = "", mfu: float 
     vocab = vocab_size(cfg)
     memory = predict_rank_memory(cfg, gpus, 0, "cuda", vocab)
     result = verdict(memory.peak / GiB, memory_gib)
-    found = []
-    if advise and result.kind != "fits":
-        def peak_of(changed: Config) -> float:
-            return predict_rank_memory(changed, gpus, 0, "cuda", vocab).peak / GiB
-
-        found = alternatives(cfg, gpus, memory_gib, USABLE, peak_of)
     throughput = predict_throughput(cfg, gpus, key, peak_flops, vocab, accumulation, mfu)
-    return Plan(source, gpus, key, memory_gib, peak_flops, layout, memory, result, throughput, found)
+    plan = Plan(source, gpus, key, memory_gib, peak_flops, layout, memory, result, throughput)
+    return with_alternatives(plan, cfg, vocab) if advise and result.kind != "fits" else plan
+
+
+def with_alternatives(plan: Plan, cfg: Config, vocab: int | None = None) -> Plan:
+    """`plan` (of `cfg`) with the changes that would fit planned too, each a step of its own."""
+    vocab = vocab if vocab is not None else vocab_size(cfg)
+
+    def peak_of(changed: Config) -> float:
+        return predict_rank_memory(changed, plan.gpus, 0, "cuda", vocab).peak / GiB
+
+    return replace(plan, alternatives=alternatives(cfg, plan.gpus, plan.gpu_memory_gib, USABLE, peak_of))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maester.plan.make import Plan
+from maester.plan.make import Plan, hours_text
 from maester.plan.memory import GiB
 
 LABELS = {
@@ -51,6 +51,6 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  {t.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, {t.tokens_per_second:,.0f} on "
                  f"{plan.gpus} GPUs; a step of {t.tokens_per_step:,} tokens in {_duration(t.step_seconds)}")
     lines.append(f"  {t.steps:,} steps (training.steps): {_duration(t.total_seconds)}, "
-                 f"{t.gpu_hours:,.{0 if t.gpu_hours >= 10 else 2}f} GPU-hours")
+                 f"{hours_text(t.gpu_hours)} GPU-hours")
     lines += ["", "assumed:"] + [f"  {note}" for note in plan.notes]
     return "\n".join(lines)
