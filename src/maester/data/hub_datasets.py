@@ -104,9 +104,8 @@ def resolve_hub_files(source: str, fmt: str = "auto", parquet_only: bool = True)
     try:
         commit = hub.HfApi().dataset_info(where.repo, revision=where.revision).sha
         listed = _listing(hub.HfFileSystem(), where, commit)
-    except FileNotFoundError as e:  # the Hub answered: nothing there (an OSError, but not a network error)
-        raise ValueError(str(e) if str(e).startswith("data source") else
-                         f"data source {source!r}: {where.pattern} does not exist in {where.repo}") from None
+    except FileNotFoundError:  # the Hub answered: nothing there (an OSError, but not a network error)
+        raise ValueError(f"data source {source!r}: {where.pattern} does not exist in {where.repo}") from None
     except (hub.errors.RepositoryNotFoundError, hub.errors.RevisionNotFoundError) as e:
         what = (f"has no revision {where.revision!r}" if isinstance(e, hub.errors.RevisionNotFoundError)
                 else "is not a dataset repository the Hub knows (a private or gated one needs a token: "
@@ -136,10 +135,10 @@ def _listing(fs, where: HubDatasetPath, commit: str) -> list[tuple[str, int, str
         files = [(p, s) for p, s in files if single or (not PurePosixPath(p).name.startswith(".")
                                                         and _is_data_file(p))]
     if not files:
-        raise FileNotFoundError(f"data source {where.source!r}: "
-                                + (f"the pattern matches no files at commit {commit}" if magic else
-                                   f"no data files ({'.parquet, ...' if where.pattern else 'in the repository'}) "
-                                   f"at {where.pattern or 'the top'} at commit {commit}"))
+        raise ValueError(f"data source {where.source!r}: "
+                         + (f"the pattern matches no files at commit {commit}" if magic else
+                            f"no data files ({'.parquet, ...' if where.pattern else 'in the repository'}) "
+                            f"at {where.pattern or 'the top'} at commit {commit}"))
     if magic or (len(files) == 1 and files[0][0] == where.pattern):
         return [(p, s, PurePosixPath(p).name) for p, s in files]
     prefix = f"{where.pattern}/" if where.pattern else ""
