@@ -38,18 +38,19 @@ def check_download(directory: Path, entries: list[dict], hashes: bool = True) ->
                 and isinstance(entry.get("sha256"), str)):
             raise ValueError(f"{directory / MANIFEST}: not a download manifest (an entry {entry!r} lacks its path, "
                              f"size or sha256)")
-        file = directory / entry["path"]
-        if not file.is_file() or file.stat().st_size != entry["size"]:
-            raise ValueError(f"{file} is missing or of another size than {directory / MANIFEST} says: the download "
-                             f"was changed since it was fetched; remove {directory} and download again")
-        if hashes and sha256_of(file) != entry["sha256"]:
-            raise ValueError(_changed(file, directory))
+        check_file(directory, directory / entry["path"], entry, hashes)
 
 
-def _changed(file: Path, directory: Path) -> str:
-    return (f"{file} is not the file that was downloaded: its sha256 differs from {directory / MANIFEST}'s (it was "
-            f"replaced or changed since). Remove {directory} and download again (data.verify_downloads = false "
-            f"trains on it as it is)")
+def check_file(directory: Path, file: Path, entry: dict, hashes: bool) -> None:
+    """`file` of download `directory` against its manifest entry: present, of its size, and (with `hashes`) of its
+    sha256; a ValueError naming it where it differs."""
+    if not file.is_file() or file.stat().st_size != entry["size"]:
+        raise ValueError(f"{file} is missing or of another size than {directory / MANIFEST} says: the download "
+                         f"was changed since it was fetched; remove {directory} and download again")
+    if hashes and sha256_of(file) != entry["sha256"]:
+        raise ValueError(f"{file} is not the file that was downloaded: its sha256 differs from {directory / MANIFEST}'s "
+                         f"(it was replaced or changed since). Remove {directory} and download again "
+                         f"(data.verify_downloads = false trains on it as it is)")
 
 
 def download_manifest_of(file: Path, cache: dict[Path, tuple[Path, dict] | None]) -> tuple[Path, dict] | None:
@@ -86,23 +87,16 @@ def verify_downloaded(data, record: Path) -> int:
     manifests: dict = {}
     hashed = 0
     for file in files:
-        if not isinstance(file, Path):  # a file on the Hub: read at a pinned commit, nothing local to check
-            continue
         found = download_manifest_of(file, manifests)
         if found is None:
             continue
         directory, entry = found
-        st = file.stat()
-        if st.st_size != entry["size"]:
-            raise ValueError(_changed(file, directory))
-        key = str(file.resolve())
-        seen = known.get(key)
-        if seen == [st.st_size, st.st_mtime_ns, entry["sha256"]]:
-            continue
-        if sha256_of(file) != entry["sha256"]:
-            raise ValueError(_changed(file, directory))
-        known[key] = [st.st_size, st.st_mtime_ns, entry["sha256"]]
-        hashed += 1
+        st, key = file.stat(), str(file.resolve())
+        seen = [st.st_size, st.st_mtime_ns, entry["sha256"]]
+        check_file(directory, file, entry, hashes=known.get(key) != seen)
+        if known.get(key) != seen:
+            known[key] = seen
+            hashed += 1
     if hashed:
         write_atomically(record, json.dumps(known, indent=1) + "\n")
         log.info("checked %d downloaded file(s) against their download manifests (sha256)", hashed)
