@@ -164,3 +164,34 @@ def test_the_steps_after_a_load_stop_at_a_dead_or_non_finite_model(loss, norm, o
         assert watch.check(31, checkpointer) is False and checkpointer.hold_retention
         watch.observe(40, torch.tensor(2.0), torch.tensor(1.0), None)
         assert watch.check(40, checkpointer) is True and not checkpointer.hold_retention  # 10 steps watched
+
+
+def _watch_one_rank(rank: int, store: str, found) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from maester.train.nonfinite import AfterLoadWatch
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        watch = AfterLoadWatch(Path("step-30"), 30, torch.device("cpu"), group=dist.group.WORLD)
+        # rank 1's share of the loss alone is NaN; the gradient norm (global) is finite
+        watch.observe(31, torch.tensor(float("nan") if rank else 2.0), torch.tensor(1.0), None)
+        found.put((rank, bool(watch.bad)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown with gloo's threads
+
+
+def test_the_watch_after_a_load_raises_on_every_rank_when_one_loss_share_is_bad(tmp_path):
+    """A rank that raised alone would wait alone in the collective that sets the checkpoints aside."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "maester.train.nonfinite"])
+    found = ctx.SimpleQueue()
+    mp.start_processes(_watch_one_rank, args=(str(tmp_path / "store"), found), nprocs=2, join=True,
+                       start_method="forkserver")
+    assert sorted(found.get() for _ in range(2)) == [(0, True), (1, True)]

@@ -90,16 +90,21 @@ class AfterLoadWatch:
 
     STEPS = 10
 
-    def __init__(self, path: Path, step: int, device: torch.device):
-        self.path, self.until = path, step + self.STEPS
+    def __init__(self, path: Path, step: int, device: torch.device, group: dist.ProcessGroup | None = None):
+        self.path, self.until, self.group = path, step + self.STEPS, group
         self.bad = torch.zeros((), dtype=torch.bool, device=device)
         self.values = torch.zeros(2, device=device)
 
     def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, overflow: torch.Tensor | None) -> None:
+        """`loss`: this rank's share of the step's loss when `group` (the ranks that share it) is given."""
         loss, grad_norm = loss.detach().float().to(self.bad.device), grad_norm.detach().float().to(self.bad.device)
         bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm) | (grad_norm == 0)
         if overflow is not None:
             bad = bad & (overflow.to(self.bad.device) == 0)
+        if self.group is not None:  # as NonFiniteGuard: every rank must raise, or the one that does waits alone
+            bad = bad.float()
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+            bad = bad > 0
         self.bad, self.values = bad, torch.stack([loss, grad_norm])
 
     def check(self, step: int, checkpointer) -> bool:

@@ -221,7 +221,7 @@ class Trainer:
 
     def _watch_after_load(self, path: Path) -> AfterLoadWatch:
         self.checkpointer.hold_retention = self.cfg.checkpoint.verify != "full"
-        return AfterLoadWatch(path, self.step, self.device)
+        return AfterLoadWatch(path, self.step, self.device, self.loss_group)
 
     def _take_trainer_state(self, state: dict, parts: frozenset[str]) -> None:
         """Step (and tokens seen), data position and schedule start from a checkpoint's trainer state where
