@@ -148,12 +148,12 @@ def _new_cache(model: nn.Module, batch: int, length: int, device: torch.device, 
 
 
 def _last_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(batch, vocab) at the last position; a vocabulary-sharded DTensor (tensor parallel) is gathered first, so
-    every process picks from the same numbers."""
+    """(batch, vocab) at the last position; of a vocabulary-sharded DTensor (tensor parallel), that position alone
+    is gathered, so every process picks from the same numbers."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
+        logits = logits[:, -1:].full_tensor()
     return logits[:, -1]
 
 
