@@ -63,6 +63,17 @@ def test_pretraining_collectives_reach_a_backend_for_their_device(tmp_path):
     assert {"metrics.py:batch_metrics", "trainer.py:_forward_backward", "preemption.py:agree"} <= callers, callers
     assert any(c.startswith("checkpoint.py") for c in callers), callers
 
+    # a resume of the same job (training.steps raised): the watch of the steps after the load takes part too
+    resumed = audit(tmp_path, "resume", tiny_overrides(
+        corpus, tmp_path / "jobs", "pretrain", training__steps=6, checkpoint__interval=2, logging__interval=2,
+        training__global_batch_size=4, training__micro_batch_size=2))
+    assert unserved(resumed) == []
+
+    def observed(rs: list[dict]) -> int:  # the non-finite guard's all-reduce, and the watch's beside it
+        return sum(r["caller"] == "nonfinite.py:observe" for r in rs)
+
+    assert observed(records) / 4 > 0 and observed(resumed) / 2 == 2 * observed(records) / 4  # per step
+
 
 def test_sft_collectives_reach_a_backend_for_their_device(tmp_path):
     chats = tmp_path / "chats.jsonl"
