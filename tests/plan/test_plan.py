@@ -1,7 +1,7 @@
 """`maester plan`: the shipped GPU configs fit the layout they declare (a config that stops fitting fails here),
 Llama 3 8B on 8 H100s agrees with arithmetic written out below, a plan that does not fit names changes that do,
 each of which fits when planned again; the memory a run can count on comes from what torch measures of each GPU
-kind."""
+kind; background checkpoints' host memory is set beside the node's."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from maester import exit_codes
 from maester.cli import main
 from maester.cli.plan import declared_gpu, declared_gpus
 from maester.config import load_config
+from maester.plan.checkpoint_host import checkpoint_host
 from maester.plan.device import device_memory, verdict
 from maester.plan.make import make_plan
 from maester.plan.memory import GiB
@@ -47,6 +48,8 @@ def test_llama3_8b_on_8_h100_agrees_with_arithmetic():
     the bf16 root (embedding and output) and two blocks gathered; selective-op checkpointing keeps each block's
     input and every matmul's and attention's output, per token and layer; the chunked loss's logits and their
     gradient in fp32 plus the output layer's fp32 gradient. (The second GPU review's arithmetic gives about 48 GiB.)"""
+    from maester.plan.table import format_plan
+
     cfg = load_config(REPO / "configs/llama3/8b.toml", [], environ={})
     plan = make_plan(cfg, 8, "h100", advise=False)
 
@@ -65,6 +68,23 @@ def test_llama3_8b_on_8_h100_agrees_with_arithmetic():
     assert abs(plan.peak_gib - estimate) / estimate < 0.15, (plan.peak_gib, estimate, plan.memory)
     assert plan.verdict.kind == "fits"
     assert not plan.throughput.caveats  # a model of billions: the anchor's MFU carries over
+
+    # Background checkpoints: each rank's fp32 parameters and Adam's two moments, 12 bytes a parameter over 8 ranks,
+    # copied to host, times the 8 ranks of a node: about 96 GB (the third GPU review). Set beside slurm.mem.
+    host = plan.checkpoint_host
+    assert host.mode == "async" and host.ranks_per_node == 8
+    assert abs(host.per_node_gib - 12 * params / GiB) / (12 * params / GiB) < 0.01, host
+    assert "host memory per node for background checkpoints" in format_plan(plan)
+    small_nodes = load_config(REPO / "configs/llama3/8b.toml", ["--slurm.mem=64G"], environ={})
+    assert checkpoint_host(small_nodes, 8, plan.memory.state).lines()[1] == (
+        "  EXCEEDS the node's 64 GiB (slurm.mem 64G): `auto` saves synchronously instead")
+    explicit = load_config(REPO / "configs/llama3/8b.toml", ["--slurm.mem=64G", "--checkpoint.async_mode=async"],
+                           environ={})
+    assert "async_mode = 'async' is refused before step 1" in checkpoint_host(explicit, 8, plan.memory.state).lines()[1]
+    big_nodes = load_config(REPO / "configs/llama3/8b.toml", ["--slurm.mem=1T"], environ={})
+    assert not checkpoint_host(big_nodes, 8, plan.memory.state).exceeds
+    sync = load_config(REPO / "configs/llama3/8b.toml", ["--checkpoint.async_mode=off"], environ={})
+    assert checkpoint_host(sync, 8, plan.memory.state).per_node_gib == 0
 
 
 def test_usable_memory_from_what_torch_measures_less_context_and_buffers():

@@ -10,6 +10,7 @@ import torch
 
 from maester.config import Config
 from maester.plan.advice import Alternative, alternatives
+from maester.plan.checkpoint_host import CheckpointHost, checkpoint_host
 from maester.plan.device import TIGHT_GIB, DeviceMemory, Verdict, device_memory, verdict
 from maester.plan.memory import GiB, StepMemory, plan_config, predict_rank_memory, vocab_size
 from maester.plan.throughput import Throughput, predict_throughput
@@ -43,6 +44,7 @@ class Plan:
     """Rank 0's: every rank holds the same (FSDP, TP, CP and EP shard evenly)."""
     verdict: Verdict
     throughput: Throughput
+    checkpoint_host: CheckpointHost
     alternatives: list[Alternative] = field(default_factory=list)
     notes: list[str] = field(default_factory=lambda: list(NOTES))
 
@@ -58,7 +60,8 @@ class Plan:
             "peak_gib": self.peak_gib, "usable_gib": self.device.usable_gib,
             "verdict": {"kind": self.verdict.kind, "line": self.verdict.line},
             "alternatives": [a.to_json() for a in self.alternatives],
-            "throughput": self.throughput.to_json(), "notes": self.notes,
+            "throughput": self.throughput.to_json(), "checkpoint_host": self.checkpoint_host.to_json(),
+            "notes": self.notes,
         }
 
 
@@ -104,7 +107,8 @@ def make_plan(cfg: Config, gpus: int, gpu: str, *, source: str = "", mfu: float 
     result = verdict(memory.peak / GiB, device)
     throughput = predict_throughput(cfg, gpus, key, peak_flops, vocab, accumulation, mfu)
     notes = list(NOTES) + ([FLOAT8_ROWS] if cfg.training.float8.enabled else [])
-    plan = Plan(source, gpus, key, device, peak_flops, layout, memory, result, throughput, notes=notes)
+    plan = Plan(source, gpus, key, device, peak_flops, layout, memory, result, throughput,
+                checkpoint_host(cfg, gpus, memory.state), notes=notes)
     return with_alternatives(plan, cfg, vocab) if advise and result.kind != "fits" else plan
 
 

@@ -47,6 +47,7 @@ def format_plan(plan: Plan) -> str:
         for a in plan.alternatives:
             lines.append(f"  {a.override:<{width}}  peak {a.peak_gib:6.2f} GiB  "
                          f"{'fits' if a.fits else 'does not fit'}; {a.cost}")
+    lines += ["", *plan.checkpoint_host.lines()]
     lines += ["", f"time: {t.flops_per_token / 1e9:,.1f} GFLOP per token at {100 * t.mfu:.0f}% MFU ({t.mfu_source})"]
     for reason in t.caveats + t.factor_reasons:
         lines.append(f"  {reason}")
