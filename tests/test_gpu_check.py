@@ -135,20 +135,40 @@ def tiny_stage(tmp_path, name: str, *extra: str) -> list[str]:
 
 
 def test_the_sync_stage_passes_a_clean_step_and_fails_a_host_read_between_logging_steps(tmp_path, harness):
+    """A mixture of experts without the grouped-GEMM fast path (the CPU here; A100, MI250X on GPUs) passes: the
+    experts' loop reads its group sizes on the host once per MoE layer and forward, by design, and the figures say
+    so; any other read between logging steps fails the stage."""
     from maester.config import load_config
 
-    clean = harness.train(load_config(None, tiny_stage(tmp_path, "clean"), environ={}), inject=False,
-                          allow_syncs=False, torch=torch)
+    clean = harness.train(load_config(None, tiny_stage(tmp_path, "clean", "--model.name=olmoe"), environ={}),
+                          inject=False, allow_syncs=False, torch=torch)
     assert clean["ok"], clean["reason"]
     figures = clean["figures"]
     assert figures["model_type"] == "FSDPTransformer" and figures["parameter_type"] == "DTensor"
     assert figures["syncs_per_step"] == 0 and int(figures["syncs_by_step"]["4"]) > 0  # it counts, on step 4
+    # 2 MoE layers x 2 micro-batches, no recomputation: 4 reads on each of steps 2 and 3
+    assert figures["expert_loop_reads_by_step"] == {"2": 4, "3": 4}, figures
+    assert "no grouped-GEMM fast path on cpu" in figures["expert_loop"]
     injected = harness.train(load_config(None, tiny_stage(tmp_path, "injected"), environ={}), inject=True,
                              allow_syncs=False, torch=torch)
     assert not injected["ok"]
     assert "synchronisations on steps that do not log or save: {2: 1, 3: 1}" in injected["reason"]
     assert "train/trainer.py" in injected["reason"]  # where the read happened
     assert injected["figures"]["syncs_per_step"] == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_moe_stage_passes_on_this_gpu_with_or_without_the_grouped_gemm_fast_path(tmp_path, harness):
+    """On a GPU with `torch._grouped_mm`'s grouped kernel no read is allowed; elsewhere the experts' loop reads its
+    group sizes once per MoE layer and forward, allowed and said in the figures."""
+    from maester.config import load_config
+    from maester.models.moe import _fast_path_on
+
+    cfg = load_config(None, tiny_stage(tmp_path, "moe", "--model.name=olmoe", "--training.device=cuda"), environ={})
+    result = harness.train(cfg, inject=False, allow_syncs=False, torch=torch)
+    assert result["ok"], result["reason"]
+    assert ("expert_loop" in result["figures"]) != _fast_path_on(torch.device("cuda", 0)), result["figures"]
 
 
 def test_a_training_stage_whose_config_is_refused_fails_and_names_the_key(tmp_path):
