@@ -6,6 +6,7 @@ multi-GPU jobs (DeviceMesh on CUDA, FSDP2 mixed precision, DTensor initialisatio
                                          [--inject-host-read]
     python benchmarks/gpu_check_train.py --write-data DIR   # the stages' corpora as JSONL (no pyarrow needed)
     python benchmarks/gpu_check_train.py --dry-run-stages FILE  # the dry run of each [{name, args, world}] in FILE
+    python benchmarks/gpu_check_train.py --plan-stages FILE     # maester plan's peak of each [{name, args}] in FILE
 
 It counts synchronisations by training step: on CUDA the warnings of `torch.cuda.set_sync_debug_mode("warn")`,
 on the CPU the host reads of tensors (`item`, `tolist`, `cpu`, ...: what waits for a GPU), as
@@ -34,6 +35,7 @@ import warnings
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
 
 RESULT = "GPU_CHECK_RESULT"
+PEAKS = "GPU_CHECK_PEAKS"
 MOE_READ_SITE = os.path.join("models", "moe.py")
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
@@ -44,7 +46,9 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["--dry-run-stages"]:
         return dry_run_stages(argv[1])
-    flags = {a for a in argv if a in ("--dry-run", "--inject-host-read", "--allow-syncs", "--plan")}
+    if argv[:1] == ["--plan-stages"]:
+        return plan_stages(argv[1])
+    flags = {a for a in argv if a in ("--dry-run", "--inject-host-read", "--allow-syncs")}
     world = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--world-size=")]
     argv = [a for a in argv if a not in flags and not a.startswith("--world-size=")]
     import torch
@@ -54,21 +58,26 @@ def main(argv: list[str]) -> int:
     cfg = load_config(argv[0], argv[1:], environ={})
     if "--dry-run" in flags:
         return report(dry_run(cfg, world[0] if world else 1))
-    planned = planned_peak(cfg) if "--plan" in flags else None  # before the trainer's process group is up
     return report(train(cfg, inject="--inject-host-read" in flags, allow_syncs="--allow-syncs" in flags,
-                        torch=torch, planned=planned))
+                        torch=torch))
 
 
-def planned_peak(cfg) -> dict:
-    """`maester plan`'s per-rank peak of the stage (fake tensors in a fake process group, on the CPU), to set beside
-    torch.cuda.max_memory_allocated; or why this torch cannot plan it."""
+def plan_stages(path: str) -> int:
+    """`maester plan`'s per-rank peak of each stage in FILE on one GPU (fake tensors in a fake process group, on the
+    CPU; torch >= 2.15), in one line `GPU_CHECK_PEAKS {"torch": ..., "stages": {name: {args, planned_peak_gib}}}`:
+    what the check sets beside torch.cuda.max_memory_allocated (`--prepare` runs it)."""
+    import torch
+
+    from maester.config import load_config
     from maester.plan.make import predicted_peak_gib
-    from maester.plan.memory import PlanUnsupported
 
-    try:
-        return {"planned_peak_gib": round(predicted_peak_gib(cfg, 1), 3)}
-    except PlanUnsupported as e:
-        return {"plan_not_made": str(e)}
+    stages = {}
+    for stage in json.loads(open(path).read()):
+        args = [a.replace("{data}", "data") for a in stage["args"]]
+        cfg = load_config(args[0], args[1:], environ={})
+        stages[stage["name"]] = {"args": stage["args"], "planned_peak_gib": round(predicted_peak_gib(cfg, 1), 3)}
+    print(PEAKS, json.dumps({"torch": torch.__version__, "stages": stages}), flush=True)
+    return 0
 
 
 def report(result: dict) -> int:
@@ -134,7 +143,7 @@ def dry_run(cfg, world_size: int) -> dict:
             "micro_batches": len(batches), "tokens_per_micro_batch": int(batches[0].num_tokens)}
 
 
-def train(cfg, inject: bool, allow_syncs: bool, torch, planned: dict | None = None) -> dict:
+def train(cfg, inject: bool, allow_syncs: bool, torch) -> dict:
     import torch.distributed as dist
 
     from maester.train.trainer import Trainer
@@ -183,9 +192,6 @@ def train(cfg, inject: bool, allow_syncs: bool, torch, planned: dict | None = No
         figures["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         figures["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     figures.update(moe_reads)
-    figures.update(planned or {})
-    if cuda and (planned or {}).get("planned_peak_gib"):  # the calibration of `maester plan` on this GPU
-        figures["peak_over_planned"] = round(torch.cuda.max_memory_allocated() / 2**30 / planned["planned_peak_gib"], 3)
     problems = []
     if unexpected and not allow_syncs:
         first = min(unexpected)
