@@ -172,8 +172,12 @@ def test_a_moe_stage_passes_on_this_gpu_with_or_without_the_grouped_gemm_fast_pa
     group sizes once per MoE layer and forward, allowed and said in the figures."""
     from maester.config import load_config
     from maester.models.moe import _fast_path_on
+    from tests.helpers import tiny_overrides
 
-    cfg = load_config(None, tiny_stage(tmp_path, "moe", "--model.name=olmoe", "--training.device=cuda"), environ={})
+    args = tiny_overrides("builtin:pydoc", tmp_path / "jobs", "moe", training__steps=4, logging__interval=4,
+                          checkpoint__interval=0, parallel__force_fsdp="true", model__name="olmoe",
+                          training__device="cuda")  # no Parquet: GPU images may lack pyarrow
+    cfg = load_config(None, args, environ={})
     result = harness.train(cfg, inject=False, allow_syncs=False, torch=torch)
     assert result["ok"], result["reason"]
     assert ("expert_loop" in result["figures"]) != _fast_path_on(torch.device("cuda", 0)), result["figures"]
