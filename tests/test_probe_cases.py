@@ -1,6 +1,6 @@
 """The reliability probe of bdbdced, kept as a table so that what holds stays held: each case is the probe's
 command (its id in the name) with the exit code and the text a user must see. The cases that failed then have
-their own tests, listed in `FIXED_ELSEWHERE`; the README's reliability section counts both."""
+their own tests, listed in `FIXED_ELSEWHERE`; the Reliability section of docs/checkpoints.md counts both."""
 
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def test_peak_flops_falls_back_to_the_rocm_architecture(name, arch, expected):
 
 
 def test_no_mfu_on_the_cpu_says_so(caplog):
-    """The README promises a warning where mfu is null."""
+    """docs/observability.md promises a warning where mfu is null."""
     with caplog.at_level(logging.WARNING, logger="maester"):
         assert device_peak_flops(torch.device("cpu")) is None
     assert "MFU is not reported on cpu: there is no peak-FLOPs figure for it" in caplog.text

@@ -16,7 +16,7 @@ discounted and recomputation (activation checkpointing) is not counted.
 It is nominal, as torchtitan's and OLMo-core's (`num_flops_per_token(seq_len)`, "idealized"): T is
 `data.seq_len` whatever the batch holds. Where documents are masked apart (packed SFT, document masking) a token
 attends within its document only and the kernels do 12 * H * Q * sum(d^2) / T per layer and token for documents
-of length d, so MFU then overstates the work done by the attention term's share (README, Metrics).
+of length d, so MFU then overstates the work done by the attention term's share (docs/observability.md, MFU).
 """
 
 from __future__ import annotations
