@@ -72,9 +72,10 @@ class SlurmConfig(Section):
     """`default`, `lumi` (LUMI-G: 8 GCDs per node, ROCm, Singularity), or the path of your own Jinja2 template."""
     nodes: int = Field(1, ge=1)
     min_nodes: int | None = Field(None, ge=1)
-    """Start, and restart, on as few as this many of `nodes` (`--nodes=min_nodes-nodes`): after a node is lost the
-    job goes on with the nodes that are left, resuming on fewer ranks (the same data order; the parallel layout must
-    fit every node count in the range). None: always `nodes`, and a requeued job waits until that many are up."""
+    """Let SLURM start the job, and a requeued job, on as few as this many of `nodes` (`--nodes=min_nodes-nodes`):
+    it may then run on fewer nodes, even with more idle (SLURM 22.05 with select/cons_tres starts such a job on
+    `min_nodes`), resuming on fewer ranks with the same data order; the parallel layout must fit every node count
+    in the range. None: always `nodes`, and a job requeued after a node died waits until that many are up."""
     gpus_per_node: int = Field(0, ge=0)
     """GPUs (GCDs) per node requested with `--gpus-per-node`; 0: none (a CPU job)."""
     gpu: str | None = None
