@@ -69,8 +69,12 @@ def submit(job: Path, monkeypatch, **env: str) -> str:
     return job_id
 
 
-def two_process_reference(root: Path) -> dict[int, dict]:
-    """The same run as a 2-process torchrun on this machine, uninterrupted: its record of each step."""
+@pytest.fixture(scope="module")
+def two_process_reference(tmp_path_factory) -> dict[int, dict]:
+    """The FSDP tests' run as a 2-process torchrun on this machine, uninterrupted: its record of each step (once
+    for the module; the corpus is the same in every test)."""
+    root = tmp_path_factory.mktemp("reference")
+    write_corpus(root / "corpus.parquet")
     job = new_job(root, "reference")
     out = torchrun(2, ["train", str(job)], root)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -129,7 +133,8 @@ def errors(job: Path, job_id: str) -> str:
     return (job / "logs" / f"{job_id}.err").read_text()
 
 
-def test_fsdp_on_two_nodes_stops_at_the_time_limit_and_survives_a_killed_rank(scratch, slurm_nodes, monkeypatch):
+def test_fsdp_on_two_nodes_stops_at_the_time_limit_and_survives_a_killed_rank(scratch, slurm_nodes, monkeypatch,
+                                                                             two_process_reference):
     """FSDP x 2, one rank per node, equal to a 2-process torchrun on one machine, through a walltime stop and a
     rank killed on the second node.
 
@@ -143,7 +148,7 @@ def test_fsdp_on_two_nodes_stops_at_the_time_limit_and_survives_a_killed_rank(sc
       `latest` and finishes bit-identical to the uninterrupted run; no traceback in the logs. Fault: no
       max_restarts handling (`maester.jobs.job_end`): the job ends FAILED.
     """
-    expected = [r["loss"] for r in two_process_reference(scratch).values()]
+    expected = [r["loss"] for r in two_process_reference.values()]
     job = new_job(scratch, "fsdp", slurm__max_restarts=1)
     go_on = scratch / "go-on"
     # Rank 0 stands still after step 3 (for the warning) and after step 6 (for the kill) until go-on exists.
@@ -240,14 +245,15 @@ def test_hsdp_on_two_nodes_fetches_once_per_node_and_cancel_leaves_nothing_runni
 
 
 def test_a_lost_node_holds_the_job_until_it_returns_and_the_run_resumes_bit_identically(scratch, slurm_nodes,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch,
+                                                                                      two_process_reference):
     """node2's slurmd and all its processes killed (`local-cluster.sh kill-node`, a machine that died) while the job
     runs: SLURM declares the node down and requeues the job (`--requeue`), which waits while node2 is down; once
     it is back the job resumes on both nodes from `latest` and ends bit-identical to the uninterrupted run, as one
     SLURM job. Faults: a job SLURM may not requeue (`slurm.requeue = false`: it ends with NODE_FAIL and never
     resumes); the job script's own restart (`slurm.max_restarts`) submitting a second job when SLURM had already
     requeued this one (two runs of one job directory)."""
-    expected = two_process_reference(scratch)
+    expected = two_process_reference
     job = new_job(scratch, "lost", slurm__max_restarts=2)
     go_on = scratch / "go-on"
     job_id = submit(job, monkeypatch, _MAESTER_FAULT="hang:5@0", _MAESTER_HANG_UNTIL=str(go_on))
