@@ -25,6 +25,7 @@ from maester.parallel.devices import describe_environment
 from maester.parallel.context_parallel import context_parallel_of
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout, set_cpu_threads
 from maester.parallel.float8 import Float8Training, check_float8
+from maester.parallel.hosts import gather_hosts, hosts_event
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
@@ -54,6 +55,7 @@ from maester.train.preemption import (
     StopRequests,
     clear_markers_of_earlier_runs,
     mark_completed,
+    stop_event,
 )
 from maester.train.profiling import Profiler
 from maester.train.schedule import lr_multiplier, warmup_clamped
@@ -103,6 +105,7 @@ class Trainer:
         setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
         log.info("environment: %s%s", describe_environment(self.device), f", {threads}" if threads else "")
+        self.hosts = gather_hosts()  # each rank's hostname, for the log and metrics.jsonl
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         check_float8(cfg, self.dims, self.device)  # a GPU without float8, DDP, a torchao that does not fit torch
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
@@ -289,8 +292,10 @@ class Trainer:
         progress = progress_bar("train", total=total, initial=self.step, unit="step",
                                 disable=True if self.rank != 0 else None)
         writer = open_metrics(cfg, self.job_dir, progress, self.step) if self.rank == 0 else None
-        for record in self.damaged_checkpoints if writer is not None else ():
-            writer.write_event({"event": "checkpoint_damaged", "step": self.step, **record})
+        events = [hosts_event(self.hosts, self.step)] + [{"event": "checkpoint_damaged", "step": self.step, **record}
+                                                         for record in self.damaged_checkpoints]
+        for record in events if writer is not None else ():
+            writer.write_event(record)
         run = _Run(total, writer, profiler, progress, StopRequests(self.job_dir, self.rank),
                    MetricsWindow(self.device), long_timeout=self.world_size > 1,
                    flops_per_token=model_flops_per_token(self.whole_model, cfg.data.seq_len),
@@ -571,15 +576,6 @@ class Trainer:
         if c.interval and self.step % c.interval == 0:
             return True
         return c.save_final and self.step == self.cfg.training.steps
-
-
-def stop_event(step: int, reason: str, checkpoint: Path) -> dict:
-    """The metrics.jsonl event of a stop on request, with the SLURM job and its restart count where there is one."""
-    slurm = {"slurm_job_id": os.environ["SLURM_JOB_ID"],
-             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)} \
-        if os.environ.get("SLURM_JOB_ID") else {}
-    return {"event": "stop", "step": step, "reason": reason, "checkpoint": checkpoint.name,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **slurm}
 
 
 def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
