@@ -123,3 +123,18 @@ def test_the_files_to_check_are_shared_out_over_the_ranks_that_read_them(saved):
     assert sorted(name for names in duty for name in names) == sorted(set(expected) - {".metadata"})  # each once
     assert set(duty[0]) == {"__0_0.distcp", "__2_0.distcp", "trainer_state.json", "rng/rank1.pt"}
     assert duty[1] == ["__1_0.distcp"] and duty[2] == ["__3_0.distcp"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_load_copies_from_the_mapped_file_into_cuda_destinations(saved, tmp_path):
+    """On a GPU the destinations are device tensors: the copy from the mapping is a host-to-device copy."""
+    reference, _ = tiny()
+    model, optimizer = tiny()
+    model.cuda()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    Checkpointer(tmp_path, CheckpointConfig()).load(saved, model, None, "model_only", verify=True)
+    for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert b.is_cuda and torch.equal(a, b.cpu()), name
