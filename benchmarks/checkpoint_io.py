@@ -301,7 +301,8 @@ def report(args, n_params: int, count: int, s: dict, loaded: dict, ranks: dict, 
     print()
     print("| what | seconds | GB/s | vs raw |")
     print("|---|---|---|---|")
-    print(f"| raw write, 64 MiB blocks + fsync | {median(s['raw']):.3f} | {nbytes / median(s['raw']) / 1e9:.3f} | 1.00 |")
+    raw = median(s["raw"])
+    print(f"| raw write, 64 MiB blocks + fsync | {raw:.3f} | {nbytes / raw / 1e9:.3f} | 1.00 |")
     for name, seconds, key in (
             ("save, off: loop blocked (= the whole save)", median(sync_blocked), "off"),
             ("save, off, 2 write threads", median(r.blocked_seconds for r in s["threads"]), "threads"),

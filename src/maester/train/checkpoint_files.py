@@ -1,6 +1,6 @@
 """What a checkpoint directory holds and how each of its files is read: the `step-<N>` names, the manifest
-(every file's size and checksum, `checkpoint_digests.py`) and its check, the trainer state, the RNG files, and DCP's reader that unpickles
-only DCP's own metadata classes, so loading a checkpoint never runs code from it."""
+(every file's size and checksum, `checkpoint_digests.py`) and its check, the trainer state, the RNG files, and
+DCP's reader that unpickles only DCP's own metadata classes, so loading a checkpoint never runs code from it."""
 
 from __future__ import annotations
 
@@ -194,7 +194,8 @@ def verify_checkpoint(path: Path, level: str = "size", share: tuple[int, int] = 
         if entries is None and state.get("checkpoint_format"):
             return [f"{path / MANIFEST}: missing, and {TRAINER_STATE} says the checkpoint was written with one "
                     f"(checkpoint_format {state['checkpoint_format']}): its files cannot be checked"]
-        storage = {info.relative_path for info in read_metadata(path).storage_data.values()}
+        metadata = read_metadata(path)
+        storage = {info.relative_path for info in (getattr(metadata, "storage_data", None) or {}).values()}
     except (ValueError, OSError, EOFError) as e:
         return [str(e).split(": the checkpoint is damaged")[0]]
     listed = {name for name, *_ in entries or ()}
