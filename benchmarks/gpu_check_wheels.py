@@ -26,7 +26,7 @@ WHEELS_LIMIT_MB = 60
 # What the check's code paths import beyond torch and torch's own requirements (pyproject's bounds), and pytest for
 # the CUDA tests; their own requirements come with them. Left out: numpy, which every PyTorch image has, and
 # pyarrow (55 MB): the stages read JSONL. torchao (3 MB) serves the float8 stage.
-CHECK_REQUIREMENTS = ["pydantic>=2.7,<3", "zstandard>=0.22", "pyyaml>=6", "tqdm>=4.66", "pytest>=8",
+CHECK_REQUIREMENTS = ["pydantic>=2.7,<3", "zstandard>=0.22", "xxhash>=3", "pyyaml>=6", "tqdm>=4.66", "pytest>=8",
                       "torchao>=0.16"]
 
 

@@ -671,3 +671,84 @@ def test_probe_3_plan_case(tmp_path, monkeypatch, case):
     before = snapshot(scratch.root)
     code, out, err = run_in_process(args)
     assert_row(row, scratch, before, code, out + err)
+
+
+
+# The third probe (reliability-probe-3.md), its checkpoint verification rows: R39, a checkpoint written with a
+# manifest whose manifest.json is gone; R40, a `.metadata` whose storage leaves the checkpoint.
+def without_manifest(s: Scratch, written_before_manifests: bool = False, flip: bool = False) -> Path:
+    """`small`'s step-3 without its manifest.json (`flip`: and with a flipped bit); `written_before_manifests`:
+    its trainer state without the format that says a manifest was written, as checkpoints from before them."""
+    step = s.job() / "checkpoints" / "step-3"
+    (step / "manifest.json").unlink()
+    if flip:
+        flip_exponent_bit(step)
+    if written_before_manifests:
+        state = json.loads((step / "trainer_state.json").read_text())
+        del state["checkpoint_format"]
+        (step / "trainer_state.json").write_text(json.dumps(state))
+    return step
+
+
+def storage_outside(s: Scratch) -> Path:
+    """N45's crafting: step-3's `.metadata` reads the embedding from step-1's file, its manifest made to match."""
+    step = s.job() / "checkpoints" / "step-3"
+    craft_metadata(step, s.root / "jobs" / "small" / "checkpoints" / "step-1")
+    return step
+
+
+def resumed_from_step_2(s: Scratch) -> None:
+    """step-3 was set aside (kept), the run loaded step-2 and trained steps 3 and 4 on a live model."""
+    steps = s.root / "jobs" / "small" / "checkpoints"
+    assert (steps / "step-3.damaged").is_dir() and (steps / "step-4").is_dir()
+    events = [json.loads(line) for line in (s.root / "jobs" / "small" / "metrics.jsonl").open()]
+    assert [e["checkpoint"] for e in events if e.get("event") == "checkpoint_damaged"][-1:] == ["step-3"]
+    trained = [e for e in events if "loss" in e and e["step"] >= 3]
+    assert [e["step"] for e in trained][-2:] == [3, 4] and all(e["grad_norm"] > 0 for e in trained)
+
+
+def verify(step: Path, *extra: str) -> list[str]:
+    return ["checkpoint", "verify", str(step), *extra]
+
+
+def train_small(s: Scratch) -> list[str]:
+    return ["train", str(s.root / "jobs" / "small"), "--training.steps=4"]
+
+
+PROBE_3_VERIFY = {
+    "R39 verify: no manifest, written with one": Row(
+        lambda s: verify(without_manifest(s)), 1,
+        "manifest.json: missing, and trainer_state.json says the checkpoint was written with one"),
+    "R39 verify: no manifest, from before manifests": Row(
+        lambda s: verify(without_manifest(s, written_before_manifests=True)), 0,
+        "unverified: no manifest (written before manifests existed)"),
+    "R39 resume: no manifest and a flipped bit": Row(
+        lambda s: (without_manifest(s, flip=True), train_small(s))[1], 0, "moved aside to step-3.damaged",
+        then=resumed_from_step_2),
+    "R40 verify --level full: storage outside the checkpoint": Row(
+        lambda s: verify(storage_outside(s), "--level", "full"), 1,
+        "which is not a file inside the checkpoint directory"),
+    "R40 resume: storage outside the checkpoint": Row(
+        lambda s: (storage_outside(s), train_small(s))[1], 0, "moved aside to step-3.damaged",
+        then=resumed_from_step_2),
+}
+
+
+@pytest.mark.parametrize("case", PROBE_3_VERIFY)
+def test_probe_3_verify_case(probe2, tmp_path, monkeypatch, case):
+    """As `test_probe_2_case`: the row's exit code and text without a traceback; `verify` changes no file, whatever
+    it finds."""
+    row = PROBE_3_VERIFY[case]
+    scratch = Scratch(tmp_path / "s", probe2[0])
+    scratch.root.mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = row.command(scratch)
+    before = snapshot(scratch.root)
+    code, out, err = run_in_process(args)
+    assert code == row.code, (out + err)[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert row.text in out + err, (out + err)[-3000:]
+    if args[0] == "checkpoint" or (row.code != 0 and row.refusal):
+        assert snapshot(scratch.root) == before, "a refusal changed files"
+    if row.then is not None:
+        row.then(scratch)

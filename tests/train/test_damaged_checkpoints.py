@@ -103,7 +103,7 @@ def test_same_size_corruption_is_found_by_full_verification(trained, from_step_2
     shard = flip_a_byte(job / "checkpoints" / "step-4")
     out = run_maester(["train", str(job), "--training.steps=6", "--checkpoint.verify=full"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"{shard.name}: CRC-32" in out.stderr
+    assert f"{shard.name}: XXH3-128" in out.stderr
     assert losses_after(job, 2) == from_step_2
 
 
@@ -162,4 +162,4 @@ def test_checkpoint_verify_command(trained, tmp_path):
     sized = run_maester(["checkpoint", "verify", str(job), "--level", "size"], cwd=tmp_path)
     assert sized.returncode == 0  # a flipped byte keeps the size
     full = run_maester(["checkpoint", "verify", str(job / "checkpoints" / "step-2")], cwd=tmp_path)
-    assert full.returncode == 1 and f"{shard}: CRC-32" in full.stdout, full.stdout + full.stderr
+    assert full.returncode == 1 and f"{shard}: XXH3-128" in full.stdout, full.stdout + full.stderr

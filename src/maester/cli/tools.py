@@ -232,17 +232,17 @@ def run_convert(args) -> None:
 def add_checkpoint(sub, name: str) -> None:
     p = sub.add_parser(name, help="checkpoint tools: verify")
     ksub = p.add_subparsers(dest="checkpoint_command", required=True, metavar="ACTION")
-    q = ksub.add_parser("verify", help="check checkpoints against their manifests (every file's size and CRC-32); "
-                                       "exit 0 when all are intact, 1 when one is damaged")
+    q = ksub.add_parser("verify", help="check checkpoints against their manifests (every file's size and checksum); "
+                                       "exit 0 when none is damaged, 1 when one is")
     q.add_argument("target", help="a job directory, its checkpoints/ directory or one checkpoint")
     q.add_argument("--level", choices=("size", "full"), default="full",
-                   help="size: compare file sizes only; full (default): also read every file for its CRC-32")
+                   help="size: compare file sizes only; full (default): also read every file for its checksum")
 
 
 def run_checkpoint(args) -> None:
     from pathlib import Path
 
-    from maester.train.checkpoint_files import step_dirs, verify_checkpoint
+    from maester.train.checkpoint_files import step_dirs, unverified, verify_checkpoint
 
     target = Path(args.target)
     if (target / ".metadata").is_file() or (target / "manifest.json").is_file():
@@ -252,13 +252,16 @@ def run_checkpoint(args) -> None:
     if not checkpoints:
         raise FileNotFoundError(f"no checkpoint at {target} (looked for a checkpoint, and for step-N directories in "
                                 f"it and in its checkpoints/)")
-    damaged = 0
+    damaged = unchecked = 0
     for path in checkpoints:
         problems = verify_checkpoint(path, args.level)
-        damaged += bool(problems)
-        print(f"{path}: {'DAMAGED' if problems else 'intact'}" + "".join(f"\n  {p}" for p in problems))
-    print(f"{len(checkpoints)} checkpoint(s) checked ({args.level}): {len(checkpoints) - damaged} intact, "
-          f"{damaged} damaged")
+        old = not problems and unverified(path)
+        damaged, unchecked = damaged + bool(problems), unchecked + old
+        verdict = "DAMAGED" if problems else ("unverified: no manifest (written before manifests existed); only its "
+                                              ".metadata and trainer_state.json were checked" if old else "intact")
+        print(f"{path}: {verdict}" + "".join(f"\n  {p}" for p in problems))
+    print(f"{len(checkpoints)} checkpoint(s) checked ({args.level}): {len(checkpoints) - damaged - unchecked} intact, "
+          f"{damaged} damaged" + (f", {unchecked} unverified" if unchecked else ""))
     if damaged:
         sys.exit(exit_codes.CHECK_FAILED)
 

@@ -125,13 +125,10 @@ def _save_model_state(directory: Path, name: str, args: TransformerArgs, state: 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from maester.train.checkpoint_files import single_process_ok
-
     with torch.device("meta"):
         model = ARCHITECTURES[name].model_class()(args)
     model.load_state_dict(state, strict=True, assign=True)
-    with single_process_ok():
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory)
 
 
 # ---------------------------------------------------------------- maester -> HF

@@ -15,7 +15,7 @@ from maester.config import Config
 from maester.data.tokenizers import Tokenizer, build_tokenizer
 from maester.models.sampling import check_sampling, sample, sample_batch
 from maester.train.checkpoint import resolve_checkpoint
-from maester.train.checkpoint_files import load_model_weights
+from maester.train.checkpoint_reader import load_model_weights
 
 
 def start_inference(device_choice: str, dtype_choice: str,

@@ -182,7 +182,7 @@ class Trainer:
         fresh at `checkpoint.step_offset`."""
         c, latest = self.cfg.checkpoint, self._latest
         if self._resuming:
-            state = self.checkpointer.load(latest, self.model, self.optimizer, "continue", self.cfg.model.name)
+            latest, state = self.checkpointer.resume(latest, self.model, self.optimizer, self.cfg.model.name)
             self._take_trainer_state(state, LOAD_MODES["continue"])
             self.after_load = self._watch_after_load(latest)
             self.provenance = {k: state[k] for k in ("init_from", "load_mode") if k in state}
