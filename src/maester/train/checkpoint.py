@@ -49,6 +49,7 @@ from maester.train.checkpoint_files import (
     has_optimizer_state, is_complete, load_model_weights, match_model, read_rng_state, read_trainer_state,
     restore_rng_state, single_process_ok, step_dirs, verify_checkpoint,
 )
+from maester.train.checkpoint_tensors import plain_state
 from maester.train.faults import maybe_crash, maybe_hang
 
 log = logging.getLogger("maester")
@@ -254,15 +255,11 @@ class Checkpointer(BackgroundSaves):
         self.wait()
         background = background and self.async_mode != "off"
         final = self.dir / f"step-{step}"
+        state = state_to_save(model, optimizer)  # refuses what a checkpoint cannot hold, before any file changes
         if self.rank == 0:
             self._remove_unfinished()
             self.dir.mkdir(parents=True, exist_ok=True)
         _barrier(self.group)
-        if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
         files = self._small_files(step, trainer_state, config_json)
         result = SaveResult(step, final, background)
         if not background:
@@ -425,7 +422,8 @@ class Checkpointer(BackgroundSaves):
         hyperparameters = copy.deepcopy(optim_sd["param_groups"])
         # The per-parameter state only, keyed by parameter name: the groups may differ where the checkpoint was
         # saved (a pipeline rank's groups hold its stages' parameters).
-        state = {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
+        # read into the live tensors' storage (plain_state unwraps without a copy)
+        state = plain_state({"model": model_sd, "optimizer": {"state": optim_sd["state"]}})
         dcp_load(state, path)
         state["optimizer"]["param_groups"] = hyperparameters
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -453,6 +451,16 @@ class Checkpointer(BackgroundSaves):
 
 
 
+
+
+def state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """What a checkpoint holds of `model` and `optimizer` (None: the model only): their state dicts, sharded as
+    they are, with plain tensors only (`plain_state`: no tensor subclass is staged or pickled), sharing storage with
+    the live tensors."""
+    if optimizer is None:
+        return plain_state({"model": get_model_state_dict(model)})
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return plain_state({"model": model_sd, "optimizer": optim_sd})
 
 
 def _reason(error: BaseException) -> str:
