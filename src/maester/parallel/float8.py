@@ -14,7 +14,8 @@ parallelize.py, before the config refactor):
 
 The weights stay high-precision parameters (torchao casts them at each matmul; under the float8 all-gather each is
 wrapped in torchao's WeightWithDynamicFloat8CastTensor, which checkpoints unwrap: train/checkpoint_tensors.py), so
-checkpoints are the same as without float8 and load into a model with or without it. torchao is imported only when float8 is enabled.
+checkpoints are the same as without float8 and load into a model with or without it. torchao is imported only when
+float8 is enabled.
 """
 
 from __future__ import annotations
@@ -38,12 +39,20 @@ log = logging.getLogger("maester")
 # and its Python API also serves 2.10 (the C++ extensions, which float8 training does not use, are skipped there).
 # tests/parallel/test_float8.py passed on the CPU with torchao 0.16 + torch 2.10, 0.17 + 2.10 and 2.15, 0.18 + 2.10
 # (CI's floor environment) and 2.15 (the lock, which also runs the two-rank tests); a newer torch or torchao is
-# refused until it has been checked and added here.
+# refused until it has been checked and added here. pyproject.toml's torchao bound moves with it (torchao_requirement).
 TORCHAO_TORCH = {
     (0, 16): ((2, 10), (2, 10)),
     (0, 17): ((2, 10), (2, 15)),
     (0, 18): ((2, 10), (2, 15)),
 }
+
+
+def torchao_requirement() -> str:
+    """The requirement of maester's float8 extra (pyproject.toml) from `TORCHAO_TORCH`: its oldest release up to,
+    not including, the minor release after its newest, so that an install never fetches a torchao maester refuses.
+    A test holds pyproject.toml to it: adding a release to the table moves the bound."""
+    newest = max(TORCHAO_TORCH)
+    return f"torchao>={_dotted(min(TORCHAO_TORCH))},<{newest[0]}.{newest[1] + 1}"
 
 
 class Float8Unsupported(ValueError):
