@@ -210,6 +210,18 @@ def test_fsdp_float8_all_gather_for_tensorwise_only():
         assert Float8Training(model).precompute == all_gather
 
 
+def test_cpu_offload_skips_the_scale_precompute(caplog):
+    """G14: under parallel.cpu_offload FSDP2 copies each shard to the GPU with .to(), which torchao rewraps without
+    the precomputed scale, so the precompute (an all-reduce a step) would be lost: it is skipped, and the log says so
+    (the GPU run: tests/train/test_float8_gpu.py)."""
+    model = model_of()
+    convert_to_float8(model, f8(), fsdp=True)
+    assert Float8Training(model).precompute
+    with caplog.at_level("INFO", logger="maester"):
+        assert not Float8Training(model, cpu_offload=True).precompute
+    assert "scales are not precomputed after the optimizer step under parallel.cpu_offload" in caplog.text
+
+
 def test_float8_tp_styles_on_gpus_only():
     """The GPU branch of the TP plan, shown on the CPU: tensorwise float8 layers take torchao's styles, the
     input of a branch is cast (and gathered) in float8 only where every reader is float8, rowwise keeps torch's."""

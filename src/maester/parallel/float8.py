@@ -307,11 +307,17 @@ def tensor_parallel_style(style: type, modules: list[nn.Module], float8_comms: b
 class Float8Training:
     """The run's float8 work around the optimizer step."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, cpu_offload: bool = False):
         self.model = model
         # FSDP's float8 all-gather takes each weight's scale from `precompute` when one is set (torchao's
         # WeightWithDynamicFloat8CastTensor); set only where a layer all-gathers in float8.
         self.precompute = any(is_float8(m) and m.config.enable_fsdp_float8_all_gather for m in model.modules())
+        if self.precompute and cpu_offload:
+            # FSDP2 copies each offloaded shard to the GPU with .to(), which torchao rewraps without the precomputed
+            # scale (fsdp_utils.py: _to_copy keeps the class, not _precomputed_scale): the work would be lost
+            self.precompute = False
+            log.info("float8: scales are not precomputed after the optimizer step under parallel.cpu_offload (the "
+                     "shards' copies to the GPU drop them); each layer computes its scale in its all-gather")
 
     def after_optimizer_step(self) -> None:
         """The float8 scales of all FSDP-sharded float8 weights from their new values, in one all-reduce for all

@@ -133,7 +133,7 @@ class Trainer:
         # fp16: the loss scaler, made with the parameters, on their device
         self.scaler = LossScaler(next(iter(self.model.parameters())).device) if self.precision.loss_scaling else None
         self.loss_parallel = uses_loss_parallel(self.model)
-        self.float8 = Float8Training(self.model) if cfg.training.float8.enabled else None
+        self.float8 = Float8Training(self.model, cfg.parallel.cpu_offload) if cfg.training.float8.enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
