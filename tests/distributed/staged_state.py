@@ -1,8 +1,9 @@
 """Run under torchrun (2 ranks): for each layout, a tiny run of one step, then the state a background save stages
 (`state_to_save` through the checkpointer's own stager) compared bit for bit with the live state
 (`tests/train/staging.py`); one background save with the fp16 loss scaler, changed after the save, whose checkpoint
-must hold the scaler of its step. Writes `<out>/rank-<R>.json`: per layout, the tensors compared and the kinds
-seen (the local tensor's type, and the mesh dimensions of the DTensors).
+must hold the scaler of its step; `staged_bytes` before step 1 and after it, beside the stager's own buffers.
+Writes `<out>/rank-<R>.json`: per layout, the tensors compared, the kinds seen (the local tensor's type, and the
+mesh dimensions of the DTensors) and the sizes.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed/staged_state.py OUT CORPUS
 """
@@ -66,18 +67,25 @@ def main(out: Path, corpus: Path) -> None:
     import torch.distributed as dist
 
     from maester.config import load_config
-    from maester.train.checkpoint import state_to_save
+    from maester.train.checkpoint_memory import staged_bytes
+    from maester.train.checkpoint_tensors import state_to_save
     from maester.train.trainer import Trainer
 
     report = {}
     for name, extra in LAYOUTS.items():
         cfg = load_config(None, tiny_overrides(corpus, out / "jobs", name, **ONE_STEP, **extra), environ={})
         trainer = Trainer(cfg, cfg.job_dir)
+        estimate = staged_bytes(trainer.model, trainer.optimizer)  # before the first step made the optimizer state
         trainer.train()
         state = state_to_save(trainer.model, trainer.optimizer)
         compared = assert_staged_equals_live(trainer.checkpointer._stage(state), trainer.model, trainer.optimizer)
+        copies = trainer.checkpointer._stager._state_dict_stager._cached_storage_mapping.values()  # host buffers
         report[name] = {"compared": compared, "kinds": kinds(live_state(trainer)),
-                        "optimizer_keys": sorted({k for s in state["optimizer"]["state"].values() for k in s})}
+                        "optimizer_keys": sorted({k for s in state["optimizer"]["state"].values() for k in s}),
+                        "staged_bytes": {"before_step_1": estimate,
+                                         "now": staged_bytes(trainer.model, trainer.optimizer),
+                                         "stager": sum(c.nbytes() for c in copies),
+                                         "parameters": sum(1 for _ in trainer.model.parameters())}}
         if trainer.scaler is not None:
             report[name]["grad_scaler"] = scaler_checkpoint(trainer, out)
         trainer.checkpointer.close()

@@ -51,7 +51,7 @@ def test_staged_float8_weights_equal_the_live_ones(float8_run):
     """Every tensor the background save stages equals the live one bit for bit, float8 weights included."""
     from torch.distributed.tensor import DTensor
 
-    from maester.train.checkpoint import state_to_save
+    from maester.train.checkpoint_tensors import state_to_save
     from tests.train.staging import assert_staged_equals_live
 
     trainer = float8_run[0]

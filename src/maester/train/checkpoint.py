@@ -35,11 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from maester.config import LOAD_MODES, PARTIAL_LOAD_MODES, CheckpointConfig
 from maester.files import fsync_dir, point_link, write_durably
@@ -49,7 +45,7 @@ from maester.train.checkpoint_files import (
     has_optimizer_state, is_complete, load_model_weights, match_model, read_rng_state, read_trainer_state,
     restore_rng_state, single_process_ok, step_dirs, verify_checkpoint,
 )
-from maester.train.checkpoint_tensors import plain_state
+from maester.train.checkpoint_tensors import plain_state, state_to_save
 from maester.train.faults import maybe_crash, maybe_hang
 
 log = logging.getLogger("maester")
@@ -451,16 +447,6 @@ class Checkpointer(BackgroundSaves):
 
 
 
-
-
-def state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """What a checkpoint holds of `model` and `optimizer` (None: the model only): their state dicts, sharded as
-    they are, with plain tensors only (`plain_state`: no tensor subclass is staged or pickled), sharing storage with
-    the live tensors."""
-    if optimizer is None:
-        return plain_state({"model": get_model_state_dict(model)})
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return plain_state({"model": model_sd, "optimizer": optim_sd})
 
 
 def _reason(error: BaseException) -> str:

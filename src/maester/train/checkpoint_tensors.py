@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 PLAIN_VALUES = (int, float, bool, str, bytes, type(None))
@@ -36,6 +37,15 @@ def register_unwrap(cls: type | str, unwrap: Callable[[torch.Tensor], torch.Tens
 
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """What a checkpoint holds of `model` and `optimizer` (None: the model only): their state dicts, sharded as
+    they are, with plain tensors only (`plain_state`), sharing storage with the live tensors."""
+    if optimizer is None:
+        return plain_state({"model": get_model_state_dict(model)})
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return plain_state({"model": model_sd, "optimizer": optim_sd})
 
 
 def plain_state(state, key: str = ""):
