@@ -80,7 +80,7 @@ def test_a_process_without_torchao_resumes_exports_generates_and_evaluates(float
     resumed = job_from_checkpoints(tmp_path, corpus, without_final(job, tmp_path), "resumed",
                                    training__precision="bf16", **RUN)
     final = job / "checkpoints" / "step-3"
-    commands = [["train", resumed], ["convert", "to-hf", final, tmp_path / "hf-final"],
+    commands = [["convert", "to-hf", final, tmp_path / "hf-final"], ["train", resumed],
                 ["convert", "to-hf", job / "checkpoints" / "step-2", tmp_path / "hf-background"],
                 ["generate", final, "--prompt", "the model", "--max-new-tokens", "4", "--temperature", "0",
                  "--device", "cpu"],
