@@ -34,6 +34,7 @@ from maester.train.checkpoint_digests import DIGEST, checksum_of_buffer, digest_
 from maester.train.checkpoint_files import (
     SafeReader, checksum_problem, match_model, metadata_bytes, read_metadata, safe_planner,
 )
+from maester.train.checkpoint_tensors import plain_state
 
 
 class DamagedCheckpoint(ValueError):
@@ -322,6 +323,7 @@ def load_model_weights(path: Path, model: nn.Module, family: str | None = None, 
     other (`match_model`; `partial`: the keys the two share); `expected` as for `dcp_load`."""
     state = get_model_state_dict(model)
     keys = match_model(path, model, family, partial, state)
-    state = {"model": {k: v for k, v in state.items() if k in keys}}
+    # read into the live tensors' storage (plain_state unwraps float8 weights without a copy)
+    state = {"model": plain_state({k: v for k, v in state.items() if k in keys})}
     dcp_load(state, path, expected)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not partial))

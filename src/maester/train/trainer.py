@@ -136,8 +136,9 @@ class Trainer:
         # fp16: the loss scaler, made with the parameters, on their device
         self.scaler = LossScaler(next(iter(self.model.parameters())).device) if self.precision.loss_scaling else None
         self.loss_parallel = uses_loss_parallel(self.model)
-        self.float8 = Float8Training(self.model) if cfg.training.float8.enabled else None
+        self.float8 = Float8Training(self.model, cfg.parallel.cpu_offload) if cfg.training.float8.enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
+        self.checkpointer.fit_host_memory(cfg.checkpoint.async_mode, self.model, self.optimizer)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
         self.dp_group = self.dims.submesh("dp").get_group() if self.world_size > 1 else None
@@ -155,7 +156,6 @@ class Trainer:
         param_device = next(iter(self.model.parameters())).device
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
                                         param_device, self.loss_group)
-
         if self.rank == 0 and cfg.data.verify_downloads:  # a swapped file of a download is an error, not data
             verify_downloaded(cfg.data, self.job_dir / VERIFIED_DOWNLOADS)
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
