@@ -539,11 +539,12 @@ def captured_logs(stream=None):
         logger.setLevel(level)  # not the attribute: setLevel also clears the logger's cached checks
 
 
-def run_in_process(args: list[str], timeout: int = 120) -> tuple[int, str, str]:
-    """`maester ARGS` in this process: (exit code, stdout, stderr with the log). SIGALRM ends a command that hangs."""
+def run_in_process(args: list[str], timeout: int = 120, stdout: io.StringIO | None = None) -> tuple[int, str, str]:
+    """`maester ARGS` in this process: (exit code, stdout, stderr with the log), stdout written into `stdout` if
+    given. SIGALRM ends a command that hangs."""
     from maester.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
+    out, err = stdout or io.StringIO(), io.StringIO()
 
     def hung(signum, frame):
         raise TimeoutError(f"maester {' '.join(args)} still ran after {timeout} s")
@@ -627,3 +628,148 @@ def test_probe_2_case(probe2, tmp_path, monkeypatch, case):
         for holder in scratch.holders:
             holder.stdin.close()
             holder.wait(timeout=30)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The probe of 24e698f: its cases that fell short at the seams added since (`eval`, `submit` onto a stopped job,
+# `generate` of a long answer, `convert`'s upload and shard size, `report` of a damaged plan.json), each a row as in
+# PROBE_2, on copies of PROBE_2's jobs. A refusal is one line (the last of stderr, naming what it refuses) with exit
+# 2, and changes no file.
+
+@dataclass
+class Row3(Row):
+    check: Callable[["Scratch", str, str], None] | None = None
+    """A further check after the command, given the scratch and its (first run's) stdout and stderr."""
+    unloaded: bool = False
+    """The refusal comes before any model is loaded: the command names no checkpoint it read."""
+    read_only: str | None = None
+    """A directory of the scratch that the command sees mounted read-only (in a mount namespace of its own)."""
+    stop_after: int | None = None
+    """The command's stdout ends it, as Ctrl-C does, once it holds this many characters."""
+    repeat: int = 1
+    """Run the command this many times, each checked (a race that one run may win by chance)."""
+
+
+class LiveJobs:
+    """Tiny jobs that train on (for hours) in the background, with a checkpoint at every step and only the newest
+    kept: running jobs for the rows to read, started on first use and shared by the rows of the module."""
+
+    def __init__(self, root: Path, corpus: Path):
+        self.root, self.corpus = root, corpus
+        self.trainers: dict[str, subprocess.Popen] = {}
+
+    def job(self, name: str = "live") -> Path:
+        """The job `name`, training, once it has saved three checkpoints (its first steps are slower)."""
+        import time
+
+        job = self.root / "jobs" / name
+        if name not in self.trainers:
+            args = tiny_overrides(self.corpus, self.root / "jobs", name, training__steps=100000,
+                                  checkpoint__interval=1, checkpoint__keep_last=1, logging__interval=1000)
+            self.trainers[name] = subprocess.Popen(
+                [sys.executable, "-m", "maester", "train", DEMO, *args], stdout=open(self.root / f"{name}.log", "w"),
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=clean_env(OMP_NUM_THREADS="1"),
+                start_new_session=True)
+        latest, deadline = job / "checkpoints" / "latest", time.monotonic() + 600
+        while int(os.readlink(latest).split("-")[1] if latest.is_symlink() else 0) < 3:
+            assert self.trainers[name].poll() is None, (self.root / f"{name}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no third checkpoint after 600 s"
+            time.sleep(0.2)
+        return job
+
+    def end(self) -> None:
+        for proc in self.trainers.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def live_jobs(tmp_path_factory):
+    jobs = LiveJobs(tmp_path_factory.mktemp("live"), write_corpus(tmp_path_factory.mktemp("live-data") / "c.parquet"))
+    yield jobs
+    jobs.end()
+
+
+class LiveScratch(Scratch):
+    """A scratch whose rows may read a job that is training (`live`)."""
+
+    def __init__(self, root: Path, base: Path, live: LiveJobs):
+        super().__init__(root, base)
+        self.live = live
+
+    def training(self) -> Path:
+        return self.live.job()
+
+
+def with_plan(s: Scratch, text: str) -> Path:
+    job = s.job()
+    (job / "plan.json").write_text(text)
+    return job
+
+
+def report_drawn(s: Scratch, out: str, err: str) -> None:
+    assert (s.root / "jobs" / "small" / "report.png").stat().st_size > 0
+    assert "planned memory" not in (s.root / "jobs" / "small" / "report.txt").read_text()
+
+
+PROBE_3 = {
+    "R53 report of a job whose plan.json is not JSON": Row3(
+        lambda s: ["report", str(with_plan(s, "{garbage"))], 0, "plan.json", check=report_drawn),
+    "R53 report of a plan.json with a bad number": Row3(
+        lambda s: ["report", str(with_plan(s, json.dumps({"peak_gib": "lots", "gpus": 8, "gpu": "H100"})))], 0,
+        "plan.json", check=report_drawn),
+}
+
+
+class Ending(io.StringIO):
+    """stdout that ends the command, as Ctrl-C does, once it holds `limit` characters."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if len(self.getvalue()) >= self.limit:
+            raise KeyboardInterrupt
+        return n
+
+
+def run_row3(row: Row3, args: list[str], scratch: Scratch, tmp_path: Path, hub_env: dict, monkeypatch):
+    """(exit code, stdout, stderr) of the row's command: in this process, or in its own (a Hub endpoint or an
+    offline switch read at import, a read-only mount)."""
+    if row.read_only is not None:
+        done = read_only_command(args, scratch.root / row.read_only, tmp_path)
+        return done.returncode, done.stdout, done.stderr
+    if row.own_process:
+        done = run_maester(args, tmp_path, {**hub_env, **row.env})
+        return done.returncode, done.stdout, done.stderr
+    for name, value in row.env.items():
+        monkeypatch.setenv(name, value)
+    return run_in_process(args, stdout=None if row.stop_after is None else Ending(row.stop_after))
+
+
+@pytest.mark.parametrize("case", PROBE_3)
+def test_probe_3_case(probe2, live_jobs, tmp_path, monkeypatch, case):
+    """The row's command gives its exit code and text, without a traceback; a refusal is one line, the last of
+    stderr, and changes no file it was given; a row that reads no model says nothing of a checkpoint."""
+    base, hub_env = probe2
+    row = PROBE_3[case]
+    scratch = LiveScratch(tmp_path / "s", base, live_jobs)
+    scratch.root.mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = row.command(scratch)
+    before = snapshot(scratch.root)
+    runs = [run_row3(row, args, scratch, tmp_path, hub_env, monkeypatch) for _ in range(row.repeat)]
+    for code, out, err in runs:
+        assert code == row.code, (out + err)[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert row.text in out + err, (out + err)[-3000:]
+        if row.code == 2 and row.refusal:
+            assert row.text in err.strip().splitlines()[-1], err[-3000:]
+        if row.unloaded:
+            assert "/checkpoints/step-" not in out + err, (out + err)[-3000:]
+    if row.code == 2 and row.refusal:
+        assert snapshot(scratch.root) == before, "a refusal changed files"
+    if row.check is not None:
+        row.check(scratch, *runs[0][1:])
