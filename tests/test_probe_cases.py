@@ -701,6 +701,10 @@ class LiveScratch(Scratch):
         return self.live.job()
 
 
+def export_kept(s: Scratch, out: str, err: str) -> None:
+    assert (s.root / "hf" / "config.json").is_file() and list((s.root / "hf").glob("*.safetensors"))
+
+
 def with_plan(s: Scratch, text: str) -> Path:
     job = s.job()
     (job / "plan.json").write_text(text)
@@ -713,6 +717,16 @@ def report_drawn(s: Scratch, out: str, err: str) -> None:
 
 
 PROBE_3 = {
+    "R49 convert --upload without a network": Row3(
+        lambda s: ["convert", "to-hf", str(s.job()), str(s.root / "hf"), "--upload", "org/name"], 2,
+        "upload it again with `hf upload org/name", env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_x"},
+        own_process=True, refusal=False, check=export_kept),
+    "R50 --max-shard-size 0": Row3(
+        lambda s: ["convert", "to-hf", str(s.job()), str(s.root / "hf"), "--max-shard-size", "0"], 2,
+        "--max-shard-size '0'"),
+    "R50 --max-shard-size abc": Row3(
+        lambda s: ["convert", "to-hf", str(s.job()), str(s.root / "hf"), "--max-shard-size", "abc"], 2,
+        "--max-shard-size 'abc'"),
     "R53 report of a job whose plan.json is not JSON": Row3(
         lambda s: ["report", str(with_plan(s, "{garbage"))], 0, "plan.json", check=report_drawn),
     "R53 report of a plan.json with a bad number": Row3(
