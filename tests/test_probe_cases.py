@@ -701,6 +701,29 @@ class LiveScratch(Scratch):
         return self.live.job()
 
 
+def stopped_job(s: Scratch) -> Path:
+    """A copy of `small` as SIGTERM leaves a job: requeue-requested, no COMPLETED marker."""
+    from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE
+
+    job = s.job()
+    (job / COMPLETED_FILE).unlink()
+    (job / REQUEUE_FILE).write_text(json.dumps({"step": 3, "reason": "SIGTERM"}) + "\n")
+    return job
+
+
+def resubmit(s: Scratch, *extra: str) -> list[str]:
+    """`submit` of the config `small` was trained with, onto (a copy of) it, with `extra` overrides."""
+    return ["submit", DEMO, *tiny_overrides(s.base / "corpus.parquet", s.root / "jobs", "small", training__steps=3,
+                                            checkpoint__interval=1, checkpoint__keep_last=3), "--no-submit", *extra]
+
+
+def config_says(key: str, value) -> Callable[[Scratch, str, str], None]:
+    def check(s: Scratch, out: str, err: str) -> None:
+        section, name = key.split(".")
+        assert json.loads((s.root / "jobs" / "small" / "config.json").read_text())[section][name] == value
+    return check
+
+
 def export_kept(s: Scratch, out: str, err: str) -> None:
     assert (s.root / "hf" / "config.json").is_file() and list((s.root / "hf").glob("*.safetensors"))
 
@@ -717,6 +740,17 @@ def report_drawn(s: Scratch, out: str, err: str) -> None:
 
 
 PROBE_3 = {
+    "R48 submit onto a finished job with another lr": Row3(
+        lambda s: (s.job(), resubmit(s, "--optimizer.lr=0.9"))[1], 2, "optimizer.lr=0.9"),
+    "R48 submit onto a stopped job with fewer steps": Row3(
+        lambda s: (stopped_job(s), resubmit(s, "--training.steps=2"))[1], 2, "training.steps=2"),
+    "R48 submit onto a job with another model, --update-config": Row3(
+        lambda s: (s.job(), resubmit(s, "--model.flavor=demo", "--update-config"))[1], 2, "model.flavor='demo'"),
+    "R48 submit --update-config": Row3(
+        lambda s: (s.job(), resubmit(s, "--optimizer.lr=0.9", "--update-config"))[1], 0, "optimizer.lr=0.9",
+        check=config_says("optimizer.lr", 0.9)),
+    "R48 submit the job's own config again": Row3(
+        lambda s: (stopped_job(s), resubmit(s))[1], 0, "job directory", check=config_says("optimizer.lr", 3e-3)),
     "R49 convert --upload without a network": Row3(
         lambda s: ["convert", "to-hf", str(s.job()), str(s.root / "hf"), "--upload", "org/name"], 2,
         "upload it again with `hf upload org/name", env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_x"},
