@@ -701,6 +701,30 @@ class LiveScratch(Scratch):
         return self.live.job()
 
 
+def task_file(s: Scratch, name: str) -> str:
+    """A copy of the shipped pydoc_choice task (its data beside it) with one error, as `<name>.yaml`."""
+    from maester.evaluation.task_specs import SHIPPED_TASKS
+
+    tasks = s.root / "tasks"
+    tasks.mkdir(exist_ok=True)
+    for data in ("data.py", "pydoc_choice.jsonl"):
+        shutil.copy(SHIPPED_TASKS / data, tasks / data)
+    text = (SHIPPED_TASKS / "pydoc_choice.yaml").read_text().replace("task: pydoc_choice", f"task: probe_{name}")
+    edits = {"syntax": ('doc_to_text: "{{context}}"', "doc_to_text: {{context"),
+             "badjinja": ("{{context}}", "{{context | nosuchfilter}}"),
+             "badfield": ("{{context}}", "{{nosuchfield}}"),
+             "badmetric": ("metric: acc\n    aggregation: mean", "metric: nosuchmetric"),
+             "pyobj": ("test_split: test", f"test_split: !!python/object/apply:os.system ['touch {s.root}/PWNED']")}
+    old, new = edits[name]
+    assert old in text
+    (tasks / f"{name}.yaml").write_text(text.replace(old, new))
+    return str(tasks / f"{name}.yaml")
+
+
+def evaluate(s: Scratch, *extra: str, job: Path | None = None, tasks: str = "pydoc_choice") -> list[str]:
+    return ["eval", str(job or s.job()), "--tasks", tasks, "--limit", "4", *extra]
+
+
 def stopped_job(s: Scratch) -> Path:
     """A copy of `small` as SIGTERM leaves a job: requeue-requested, no COMPLETED marker."""
     from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE
@@ -740,6 +764,33 @@ def report_drawn(s: Scratch, out: str, err: str) -> None:
 
 
 PROBE_3 = {
+    "R13 a task YAML with a syntax error": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "syntax")), 2, "syntax.yaml: cannot be read as YAML", unloaded=True),
+    "R13 an unknown Jinja filter": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "badjinja")), 2, "No filter named 'nosuchfilter'", unloaded=True),
+    "R13 an undefined field": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "badfield")), 2, "'nosuchfield' is undefined", unloaded=True),
+    "R13 a metric without aggregation": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "badmetric")), 2, "nosuchmetric", unloaded=True),
+    "R13 a python tag": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "pyobj")), 2, "pyobj.yaml: cannot be read as YAML", unloaded=True),
+    "R17 --output a directory": Row3(
+        lambda s: evaluate(s, "--output", str(s.root / "jobs")), 2, "is a directory", unloaded=True),
+    "R17 --output on a read-only mount": Row3(
+        lambda s: (s.root.joinpath("ro").mkdir(), evaluate(s, "--output", str(s.root / "ro" / "r.json")))[1], 2,
+        "Read-only file system", unloaded=True, read_only="ro"),
+    "R18 --limit nan": Row3(lambda s: evaluate(s, "--limit", "nan"), 2, "--limit", unloaded=True),
+    "R18 --num-fewshot -1": Row3(lambda s: evaluate(s, "--num-fewshot", "-1"), 2, "--num-fewshot -1",
+                                 unloaded=True),
+    "R22 a broken task file in evaluation.tasks": Row3(
+        lambda s: small(s, f'--evaluation.tasks=["{task_file(s, "syntax")}"]', "--evaluation.interval=1"), 2,
+        "syntax.yaml: cannot be read as YAML"),
+    "R23 a Hub task offline, eval": Row3(
+        lambda s: evaluate(s, tasks="hellaswag"), 2, "--download-only --tasks hellaswag",
+        env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, own_process=True, unloaded=True),
+    "R23 --include-path a missing directory": Row3(
+        lambda s: evaluate(s, "--include-path", str(s.root / "nonexistdir")), 2, "nonexistdir does not exist",
+        unloaded=True),
     "R48 submit onto a finished job with another lr": Row3(
         lambda s: (s.job(), resubmit(s, "--optimizer.lr=0.9"))[1], 2, "optimizer.lr=0.9"),
     "R48 submit onto a stopped job with fewer steps": Row3(

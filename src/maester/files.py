@@ -219,3 +219,22 @@ def parse_buffer_size(text: str) -> int:
     if not match or match.group(2).upper() not in multiples or int(match.group(1)) == 0:
         raise ValueError(f"--sizes: {text!r} is not a size in bytes (e.g. 4096, 64K, 32MiB, 1G)")
     return int(match.group(1)) * multiples[match.group(2).upper()]
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse now what writing the file `path` (named by the option `flag`) would fail at later: a directory, or a
+    place that takes no new file (read-only, immutable, no permission). A directory still missing is fine where the
+    nearest one that exists takes a new file (the write creates the rest). Nothing is left behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: give the name of the file to write")
+    existing = next(p for p in [path.parent, *path.parent.parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is not a directory")
+    probe = existing / f".write-test-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be written ({e.strerror or e}): give a file in a writable "
+                         f"directory") from None
+    probe.unlink()

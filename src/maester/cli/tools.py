@@ -125,7 +125,7 @@ def add_eval(sub, name: str) -> None:
     p.add_argument("--tasks", required=True, metavar="T1,T2",
                    help="lm-eval task, group or tag names, or task YAML files (path ending in .yaml); the shipped "
                         "offline tasks are pydoc_choice and pydoc_complete")
-    p.add_argument("--limit", type=_limit, default=None, metavar="N",
+    p.add_argument("--limit", default=None, metavar="N",
                    help="at most N documents per task (below 1: that share of them)")
     p.add_argument("--batch-size", type=int, default=8, help="requests per forward on each process (default: 8)")
     p.add_argument("--num-fewshot", type=int, default=None, metavar="K",
@@ -145,15 +145,18 @@ def add_eval(sub, name: str) -> None:
                    help="the dtype the weights are loaded and run in (auto: bfloat16 on a GPU, float32 on the CPU)")
 
 
-def _limit(text: str) -> float:
-    import argparse
+def eval_limit(text: str | None) -> int | float | None:
+    """`--limit`: a number of documents, or a share of them below 1."""
+    import math
 
+    if text is None:
+        return None
     try:
         value = float(text)
     except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of documents (or a share below 1), got {text!r}")
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--limit {text!r}: expected a positive number of documents (or a share of them below 1)")
     return int(value) if value >= 1 and value == int(value) else value
 
 
@@ -171,8 +174,11 @@ def run_eval(args) -> None:
         raise ValueError("give the job, checkpoint or HF model directory to evaluate (or --download-only)")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot {args.num_fewshot}: give 0 or more few-shot examples")
+    limit = eval_limit(args.limit)
     try:
-        results = evaluate_target(args.target, tasks, limit=args.limit, batch_size=args.batch_size,
+        results = evaluate_target(args.target, tasks, limit=limit, batch_size=args.batch_size,
                                   num_fewshot=args.num_fewshot, output=args.output, device=args.device,
                                   dtype=args.dtype, include_paths=args.include_path, log_samples=args.log_samples)
         if results is not None:
