@@ -725,6 +725,33 @@ def evaluate(s: Scratch, *extra: str, job: Path | None = None, tasks: str = "pyd
     return ["eval", str(job or s.job()), "--tasks", tasks, "--limit", "4", *extra]
 
 
+def truncated(s: Scratch) -> Path:
+    """A copy of `small` whose newest checkpoint (step-3) has a shard cut short."""
+    job = s.job()
+    shard = max((job / "checkpoints" / "step-3").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    return job
+
+
+def evaluated(step: str, output: str):
+    """The JSON of --output names the checkpoint and its step, and the console named it."""
+    def check(s: Scratch, out: str, err: str) -> None:
+        config = json.loads((s.root / output).read_text())["config"]
+        assert config["checkpoint"].endswith(f"/checkpoints/{step}") and config["step"] == int(step.split("-")[1])
+        assert f"evaluating {config['checkpoint']} (step {config['step']})" in err
+    return check
+
+
+def read_while_training(s: LiveScratch, out: str, err: str) -> None:
+    """The checkpoint the first run read was the live job's, and the job has saved newer ones since."""
+    import re
+
+    read = int(re.search(r"/checkpoints/step-(\d+) \(step \d+\)", err)[1])
+    steps = [int(p.name.split("-")[1]) for p in (s.training() / "checkpoints").glob("step-*")
+             if p.name.split("-")[1].isdigit()]
+    assert max(steps) > read, (read, steps)
+
+
 def stopped_job(s: Scratch) -> Path:
     """A copy of `small` as SIGTERM leaves a job: requeue-requested, no COMPLETED marker."""
     from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE
@@ -774,6 +801,11 @@ PROBE_3 = {
         lambda s: evaluate(s, tasks=task_file(s, "badmetric")), 2, "nosuchmetric", unloaded=True),
     "R13 a python tag": Row3(
         lambda s: evaluate(s, tasks=task_file(s, "pyobj")), 2, "pyobj.yaml: cannot be read as YAML", unloaded=True),
+    "R14 eval of a job that is training, 3 times": Row3(
+        lambda s: evaluate(s, job=s.training()), 0, "evaluating", check=read_while_training, repeat=3),
+    "R14 generate from a job that is training, 10 times": Row3(
+        lambda s: ["generate", str(s.training()), "--prompt", "hi", "--max-new-tokens", "4"], 0, "sampling from",
+        check=read_while_training, repeat=10),
     "R17 --output a directory": Row3(
         lambda s: evaluate(s, "--output", str(s.root / "jobs")), 2, "is a directory", unloaded=True),
     "R17 --output on a read-only mount": Row3(
@@ -782,6 +814,12 @@ PROBE_3 = {
     "R18 --limit nan": Row3(lambda s: evaluate(s, "--limit", "nan"), 2, "--limit", unloaded=True),
     "R18 --num-fewshot -1": Row3(lambda s: evaluate(s, "--num-fewshot", "-1"), 2, "--num-fewshot -1",
                                  unloaded=True),
+    "R21 eval names the checkpoint it evaluated": Row3(
+        lambda s: evaluate(s, "--output", str(s.root / "x.json"), job=truncated(s)), 0,
+        "skipping the damaged checkpoint", check=evaluated("step-2", "x.json")),
+    "R21 generate names the checkpoint it sampled": Row3(
+        lambda s: ["generate", str(truncated(s)), "--prompt", "hi", "--max-new-tokens", "4"], 0,
+        "/checkpoints/step-2 (step 2)"),
     "R22 a broken task file in evaluation.tasks": Row3(
         lambda s: small(s, f'--evaluation.tasks=["{task_file(s, "syntax")}"]', "--evaluation.interval=1"), 2,
         "syntax.yaml: cannot be read as YAML"),

@@ -45,18 +45,21 @@ def add_generate(sub, name: str) -> None:
 def load_completer(args, chat: bool, needs_template: bool):
     """The model of `args.target` on this process's device and dtype (sharded over the processes of torchrun) in a
     Completer with the sampling options (`chat`: text prompts are sent as user messages; `needs_template`: some
-    prompt is answered in the chat template); returns it and this process's rank."""
-    from maester.tools.generate import Completer, load_for_inference, start_inference
+    prompt is answered in the chat template); returns it and this process's rank. Rank 0 says which checkpoint (or
+    HF model) it read, on stderr."""
+    from maester.tools.generate import Completer, read_for_inference, start_inference
     from maester.tools.hf_dir import is_hf_model_dir
     from maester.models.sampling import check_sampling
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before loading
     device, dtype, tp_mesh, rank = start_inference(args.device, args.dtype)
-    model, tokenizer, cfg = load_for_inference(args.target, device, dtype, tp_mesh)
-    if needs_template and is_hf_model_dir(args.target) and cfg.data.sft.template != "jinja":
+    loaded = read_for_inference(args.target, device, dtype, tp_mesh)
+    if rank == 0:
+        print(f"sampling from {loaded.describe()}", file=sys.stderr, flush=True)
+    if needs_template and is_hf_model_dir(args.target) and loaded.cfg.data.sft.template != "jinja":
         raise ValueError(f"{args.target}: chat uses the model's chat template, but its tokenizer_config.json has no "
                          f"chat_template (and there is no chat_template.jinja)")
-    completer = Completer(model, tokenizer, cfg, chat=chat, max_new_tokens=args.max_new_tokens,
+    completer = Completer(loaded.model, loaded.tokenizer, loaded.cfg, chat=chat, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return completer, rank
 
