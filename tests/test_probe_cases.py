@@ -790,6 +790,11 @@ def report_drawn(s: Scratch, out: str, err: str) -> None:
     assert "planned memory" not in (s.root / "jobs" / "small" / "report.txt").read_text()
 
 
+def streamed(s: Scratch, out: str, err: str) -> None:
+    """Ended (as by Ctrl-C) once its output held 60 characters: the answer came out as it was generated."""
+    assert out.startswith("hi") and len(out) >= 60, out
+
+
 PROBE_3 = {
     "R13 a task YAML with a syntax error": Row3(
         lambda s: evaluate(s, tasks=task_file(s, "syntax")), 2, "syntax.yaml: cannot be read as YAML", unloaded=True),
@@ -850,6 +855,9 @@ PROBE_3 = {
     "R50 --max-shard-size abc": Row3(
         lambda s: ["convert", "to-hf", str(s.job()), str(s.root / "hf"), "--max-shard-size", "abc"], 2,
         "--max-shard-size 'abc'"),
+    "R52 generate streams a long answer": Row3(
+        lambda s: ["generate", str(s.job()), "--prompt", "hi", "--max-new-tokens", "131000"], 130, "interrupted",
+        refusal=False, stop_after=60, check=streamed),
     "R53 report of a job whose plan.json is not JSON": Row3(
         lambda s: ["report", str(with_plan(s, "{garbage"))], 0, "plan.json", check=report_drawn),
     "R53 report of a plan.json with a bad number": Row3(

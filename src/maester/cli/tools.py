@@ -72,19 +72,26 @@ def run_generate(args) -> None:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     completer, rank = load_completer(args, args.chat, args.chat or any(p.messages is not None for p in prompts))
     try:
+        if not args.prompts_file:  # one prompt: its text as it is generated, as chat shows it
+            write = _to_stdout if rank == 0 else (lambda text: None)
+            write(args.prompt if not args.chat else "")
+            completer.stream(prompts[0], write)
+            write("\n")
+            return
         outs = completer.complete_batch(prompts, args.batch_size)
         if rank == 0:
-            print_results(prompts, outs, args.prompt if not args.prompts_file and not args.chat else None)
+            print_results(prompts, outs)
     finally:
         _leave_process_group()
 
 
-def print_results(prompts, outs: list[str], continued: str | None) -> None:
-    """A single prompt's text and continuation (`continued`: the prompt text, None for an answer), or each result
-    of a prompts file under its prompt."""
-    if len(prompts) == 1 and prompts[0].where == "--prompt":
-        print(outs[0] if continued is None else continued + outs[0])
-        return
+def _to_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def print_results(prompts, outs: list[str]) -> None:
+    """Each result of a prompts file under its prompt."""
     for prompt, out in zip(prompts, outs):
         shown = ([f"{m['role']}: {m['content']}" for m in prompt.messages] if prompt.messages is not None
                  else [prompt.text])
