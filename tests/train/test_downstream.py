@@ -27,9 +27,10 @@ doc_to_target: label
 
 
 def broken_task(directory) -> str:
-    """A task file whose data file does not exist: it fails when it loads."""
+    """A task file and its data file, `missing.jsonl`: once that is removed, the task fails when it loads."""
     path = directory / "broken.yaml"
     path.write_text(BROKEN_TASK.format(missing=directory / "missing.jsonl"))
+    (directory / "missing.jsonl").write_text(json.dumps({"question": "q", "choices": ["a", "b"], "label": 0}) + "\n")
     return str(path)
 
 
@@ -54,7 +55,9 @@ def test_tasks_are_logged_a_failing_one_too_and_their_time_is_not_the_steps(corp
                                            evaluation__tasks=tasks, evaluation__interval=2, evaluation__limit=40, training__cpu_threads=1,
                                            logging__tensorboard__enabled="true"), environ={})
     write_job_dir(cfg)
-    assert Trainer(cfg, cfg.job_dir).train().step == 3  # the failing task raised nothing out of the loop
+    trainer = Trainer(cfg, cfg.job_dir)  # the tasks are built once here, the broken one with its data
+    (tmp_path / "missing.jsonl").unlink()  # which is gone when it is evaluated
+    assert trainer.train().step == 3  # the failing task raised nothing out of the loop
     assert reported == []
     lines = [json.loads(line) for line in (cfg.job_dir / "metrics.jsonl").read_text().splitlines()]
     failed = [r for r in lines if r.get("event") == "eval_failed"]

@@ -46,6 +46,7 @@ from maester.train.checkpoint_files import (
     DAMAGED, MANIFEST, STEP_DIR, TRAINER_STATE, capture_rng_state, has_optimizer_state, is_complete, match_model,
     read_manifest, read_rng_state, read_trainer_state, restore_rng_state, step_dirs, verify_checkpoint,
 )
+from maester.train.checkpoint_pin import unless_pinned
 from maester.train.checkpoint_reader import DamagedCheckpoint, check_metadata, dcp_load, load_model_weights
 from maester.train.checkpoint_tensors import plain_state, state_to_save
 from maester.train.faults import maybe_crash, maybe_hang
@@ -404,7 +405,12 @@ class Checkpointer(BackgroundSaves):
                     log.info("retention: removed the link %s; its target %s is left as it is", doomed, target)
                     continue
                 trash = self.dir / f"step-{s}.deleting.tmp"
-                os.replace(doomed, trash)  # no half-deleted directory ever carries a step-<N> name
+                with unless_pinned(doomed) as free:
+                    if not free:
+                        log.info("retention: keeping %s while a reader (maester eval, generate, chat) holds it; a "
+                                 "later save removes it", doomed)
+                        continue
+                    os.replace(doomed, trash)  # no half-deleted directory ever carries a step-<N> name
                 shutil.rmtree(trash)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "continue",
