@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from maester.data.indexed import IndexedDatasetWriter
+from maester.train.metrics_file import read_events, read_metrics
 from tests.helpers import (DEMO_CONFIG, clean_env, rewrite_manifest, run_maester, seed_job, tiny_overrides,
                            write_corpus)
 
@@ -320,9 +321,9 @@ def symlink_removed_archive_kept(s: Scratch) -> None:
 def resumed_past_the_damage(s: Scratch) -> None:
     steps = s.root / "jobs" / "small" / "checkpoints"
     assert (steps / "step-3.damaged").is_dir() and (steps / "step-5").is_dir()
-    events = [json.loads(line) for line in (s.root / "jobs" / "small" / "metrics.jsonl").open()]
-    assert [e["checkpoint"] for e in events if e.get("event") == "checkpoint_damaged"] == ["step-3"]
-    trained = [e for e in events if "loss" in e and e["step"] >= 3]
+    job = s.root / "jobs" / "small"
+    assert [e["checkpoint"] for e in read_events(job) if e["event"] == "checkpoint_damaged"] == ["step-3"]
+    trained = [e for e in read_metrics(job / "metrics.jsonl") if e["step"] >= 3]
     assert [e["step"] for e in trained] == [3, 4, 5] and all(e["grad_norm"] > 0 for e in trained)  # a live model
 
 
@@ -702,9 +703,9 @@ def resumed_from_step_2(s: Scratch) -> None:
     """step-3 was set aside (kept), the run loaded step-2 and trained steps 3 and 4 on a live model."""
     steps = s.root / "jobs" / "small" / "checkpoints"
     assert (steps / "step-3.damaged").is_dir() and (steps / "step-4").is_dir()
-    events = [json.loads(line) for line in (s.root / "jobs" / "small" / "metrics.jsonl").open()]
-    assert [e["checkpoint"] for e in events if e.get("event") == "checkpoint_damaged"][-1:] == ["step-3"]
-    trained = [e for e in events if "loss" in e and e["step"] >= 3]
+    job = s.root / "jobs" / "small"
+    assert [e["checkpoint"] for e in read_events(job) if e["event"] == "checkpoint_damaged"][-1:] == ["step-3"]
+    trained = [e for e in read_metrics(job / "metrics.jsonl") if e["step"] >= 3]
     assert [e["step"] for e in trained][-2:] == [3, 4] and all(e["grad_norm"] > 0 for e in trained)
 
 

@@ -92,7 +92,7 @@ def by_step(job: Path) -> dict[int, dict]:
 
 def hosts(job: Path) -> list[dict]:
     """The `hosts` events of the job's runs: {hostname: ranks} each."""
-    return [e["hosts"] for e in read_events(job / "metrics.jsonl") if e["event"] == "hosts"]
+    return [e["hosts"] for e in read_events(job) if e["event"] == "hosts"]
 
 
 def rank_pids(cluster: SlurmNodes, node: str) -> list[int]:

@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 
+from maester.train.metrics_file import read_events
+
 from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, write_corpus
 
 
@@ -47,8 +49,7 @@ def losses_after(job, step: int) -> dict[int, float]:
 
 
 def events(job) -> list[dict]:
-    return [r for line in (job / "metrics.jsonl").read_text().splitlines()
-            if (r := json.loads(line)).get("event") == "checkpoint_damaged"]
+    return [r for r in read_events(job) if r["event"] == "checkpoint_damaged"]
 
 
 def truncate(step):

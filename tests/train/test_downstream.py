@@ -12,6 +12,7 @@ import torch
 
 from maester.config import load_config
 from maester.config_base import ConfigError
+from maester.train.metrics_file import read_events
 from tests.helpers import tiny_overrides
 
 BROKEN_TASK = """task: broken_task
@@ -60,7 +61,7 @@ def test_tasks_are_logged_a_failing_one_too_and_their_time_is_not_the_steps(corp
     assert trainer.train().step == 3  # the failing task raised nothing out of the loop
     assert reported == []
     lines = [json.loads(line) for line in (cfg.job_dir / "metrics.jsonl").read_text().splitlines()]
-    failed = [r for r in lines if r.get("event") == "eval_failed"]
+    failed = [r for r in read_events(cfg.job_dir) if r["event"] == "eval_failed"]
     assert [r["step"] for r in failed] == [2, 3]
     assert all(r["task"].endswith("broken.yaml") and "missing.jsonl" in r["error"] for r in failed)
     evals = [r for r in lines if "eval/seconds" in r]
@@ -127,7 +128,7 @@ def test_on_a_gpu_in_bf16_the_loop_and_the_command_evaluate(corpus, tmp_path, mo
     write_job_dir(cfg)
     Trainer(cfg, cfg.job_dir).train()
     lines = [json.loads(line) for line in (cfg.job_dir / "metrics.jsonl").read_text().splitlines()]
-    assert not [r for r in lines if r.get("event") == "eval_failed"]
+    assert not [r for r in read_events(cfg.job_dir) if r["event"] == "eval_failed"]
     evals = [r for r in lines if "eval/seconds" in r]
     assert [r["step"] for r in evals] == [2] and "eval/pydoc_complete/exact_match" in evals[0]
     run_eval([cfg.job_dir, "--tasks", "pydoc_choice,pydoc_complete", "--limit", "8", "--device", "cuda",

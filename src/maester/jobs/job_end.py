@@ -27,6 +27,7 @@ from maester.files import create_new, write_atomically
 from maester.jobs.slurm import (AFTER_SCRIPT, SubmitError, recorded_jobs, record_job, restarts_since_submission,
                                 sbatch, slurm_state)
 from maester.jobs.torchrun import FAILURE_FILE
+from maester.train.metrics_file import append_event
 
 AFTER_MARKER = "after-submitted"
 REQUEUED_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
@@ -93,6 +94,8 @@ def restart(job_dir: Path, cfg: Config, status: int, job_id: str) -> int:
         new_id, how = sbatch(job_dir / "slurm.sh"), "resubmitted"
         print(f"scontrol requeue {job_id} failed ({requeue.stderr.strip()}): submitted job {new_id} instead")
     record_job(job_dir, {"job_id": new_id, **record})
+    append_event(job_dir, {**{k: v for k, v in record.items() if v is not None}, "step": record["step"] or 0,
+                           "job_id": new_id, "how": how})
     print(f"training failed with exit code {code} ({name}) on rank {cause.get('rank', '?')}: restart {done + 1} of "
           f"{allowed}, {how} as job {new_id}, resuming from step {record['step'] or 0}")
     return 0

@@ -57,6 +57,6 @@ def describe_hosts(by_host: dict[str, list[int]]) -> str:
 
 
 def hosts_event(hosts: list[str], step: int) -> dict:
-    """The `metrics.jsonl` event of the ranks' hosts at the start of a run (a resume writes its own)."""
+    """The `events.jsonl` event of the ranks' hosts at the start of a run (a resume writes its own)."""
     slurm = {"slurm_job_id": os.environ["SLURM_JOB_ID"]} if os.environ.get("SLURM_JOB_ID") else {}
     return {"event": "hosts", "step": step, "hosts": ranks_by_host(hosts), **slurm}

@@ -48,7 +48,7 @@ def status_items(job_dir: Path, now: float | None = None) -> list[tuple[str, str
     training = training_jobs(records)
     metrics = job_dir / "metrics.jsonl"
     train = [r for r in read_metrics(metrics) if "loss" in r] if metrics.is_file() else []
-    events = read_events(metrics) if metrics.is_file() else []
+    events = read_events(job_dir)
     stops = [e for e in events if e["event"] == "stop"]
     hosts = [e for e in events if e["event"] == "hosts"]
     after = [r for r in records if r.get("event") == "after"]

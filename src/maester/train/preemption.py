@@ -180,7 +180,7 @@ def clear_markers_of_earlier_runs(job_dir: Path, step: int, steps: int) -> None:
 
 
 def stop_event(step: int, reason: str, checkpoint: Path) -> dict:
-    """The metrics.jsonl event of a stop on request, with the SLURM job and its restart count where there is one."""
+    """The events.jsonl event of a stop on request, with the SLURM job and its restart count where there is one."""
     slurm = {"slurm_job_id": os.environ["SLURM_JOB_ID"],
              "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)} \
         if os.environ.get("SLURM_JOB_ID") else {}
