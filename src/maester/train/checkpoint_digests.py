@@ -59,6 +59,16 @@ def mapped(path: Path, private: bool = False):
         os.close(fd)
 
 
+def release(buffer, start: int, end: int) -> None:
+    """Drop the pages wholly inside [start, end) of a mapped file from this process (read again from the page cache
+    if touched later): a file read through a mapping then does not count in the process's resident set as a whole,
+    which a job's memory limit may count. Only for pages nothing has written to."""
+    if isinstance(buffer, mmap.mmap):
+        first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            buffer.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
 def hash_buffer(buffer, digest=None) -> str:
     """The XXH3-128 of a buffer (a mapped file), fed in chunks."""
     digest = digest or new_digest()
@@ -66,6 +76,7 @@ def hash_buffer(buffer, digest=None) -> str:
     try:
         for start in range(0, len(view), CHUNK):
             digest.update(view[start:start + CHUNK])
+            release(buffer, start, start + CHUNK)
     finally:
         view.release()
     return digest.hexdigest()
@@ -79,6 +90,7 @@ def checksum_of_buffer(buffer, kind: str) -> str:
     try:
         for start in range(0, len(view), CHUNK):
             crc = zlib.crc32(view[start:start + CHUNK], crc)
+            release(buffer, start, start + CHUNK)
     finally:
         view.release()
     return f"{crc:08x}"

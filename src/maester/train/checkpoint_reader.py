@@ -30,7 +30,9 @@ from torch.futures import Future
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from maester.train.checkpoint_digests import DIGEST, checksum_of_buffer, digest_of_bytes, file_digest, mapped
+from maester.train.checkpoint_digests import (
+    DIGEST, checksum_of_buffer, digest_of_bytes, file_digest, mapped, release,
+)
 from maester.train.checkpoint_files import (
     SafeReader, checksum_problem, match_model, metadata_bytes, read_metadata, safe_planner,
 )
@@ -113,6 +115,8 @@ class OnePassReader(SafeReader):
             try:
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                     self._load_item(buffer, item, planner)
+                    info = self.storage_data[item.storage_index]
+                    release(buffer, info.offset, info.offset + info.length)  # copied: the RSS holds no file copy
             finally:
                 actual = hashing.result() if hashing is not None else None
         return _problems(file, found, actual, self.expected[name]) if verify else []
