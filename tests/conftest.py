@@ -19,3 +19,12 @@ def corpus(tmp_path):
 def _isolated_cache(tmp_path, monkeypatch):
     """Built-in corpora and other caches go to the test's own directory, never the user's home."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def pytest_runtest_logreport(report):
+    """With MAESTER_TEST_TIMES=FILE, each test's seconds are appended to FILE as it ends (a long run's slowest
+    tests can be read while it goes on; --durations prints them only at the end)."""
+    path = os.environ.get("MAESTER_TEST_TIMES")
+    if path and report.when == "call" or path and report.when == "setup" and report.duration > 1:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.1f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")
