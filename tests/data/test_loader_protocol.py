@@ -15,9 +15,12 @@ METHODS = [name for name, value in vars(Loader).items() if inspect.isfunction(va
 
 
 def test_the_protocol_names_what_the_trainer_calls():
+    import maester.train.run_start as run_start
     import maester.train.trainer as trainer
 
-    called = set(re.findall(r"self\.loader\.([a-z_]+)", inspect.getsource(trainer)))
+    # the loop (self.loader) and its start, resume or initialise (t.loader)
+    source = inspect.getsource(trainer) + inspect.getsource(run_start)
+    called = set(re.findall(r"\b(?:self|t)\.loader\.([a-z_]+)", source))
     assert called == set(METHODS) | {"batch"}, called
 
 
