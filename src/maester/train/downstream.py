@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 import traceback
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,6 +25,7 @@ from maester.config import Config
 from maester.data.tokenizers import Tokenizer
 from maester.parallel.dims import ParallelDims
 from maester.parallel.precision import Precision, autocast
+from maester.train.checkpoint_files import capture_rng_state, restore_rng_state
 
 log = logging.getLogger("maester")
 
@@ -86,16 +85,14 @@ class DownstreamEvaluation:
     @contextlib.contextmanager
     def _evaluating(self):
         """The model in eval mode, compiled code run eagerly, and every random number generator as it was."""
-        cuda = [self.device] if self.device.type == "cuda" else []
-        states = random.getstate(), np.random.get_state()
+        states = capture_rng_state()
         self.model.eval()
         try:
-            with torch.random.fork_rng(devices=cuda), torch.compiler.set_stance("force_eager"), torch.no_grad():
+            with torch.compiler.set_stance("force_eager"), torch.no_grad():
                 yield
         finally:
             self.model.train()
-            random.setstate(states[0])
-            np.random.set_state(states[1])
+            restore_rng_state(states)
 
 
 def _failed_anywhere(failed: bool) -> bool:
