@@ -23,6 +23,7 @@ from torch import nn
 
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer
+from maester.evaluation import require_lm_eval
 from maester.parallel.dims import ParallelDims
 from maester.parallel.precision import Precision, autocast
 from maester.train.checkpoint_files import capture_rng_state, restore_rng_state
@@ -41,13 +42,9 @@ class DownstreamEvaluation:
 
         self.cfg, self.model, self.device, self.precision = cfg.evaluation, model, device, precision
         check_task_files(self.cfg.tasks, "evaluation.tasks")
-        try:
-            from maester.evaluation.harness_lm import MaesterLM, Ranks
-            from maester.evaluation.task_specs import load_tasks, task_manager
-        except ImportError:
-            raise ValueError("evaluation.tasks runs EleutherAI's lm-evaluation-harness, which is not installed: "
-                             "install maester's `eval` extra (pip install 'maester[eval]', or uv sync --extra "
-                             "eval)") from None
+        require_lm_eval("evaluation.tasks")
+        from maester.evaluation.harness_lm import MaesterLM, Ranks
+        from maester.evaluation.task_specs import load_tasks, task_manager
         self.manager = task_manager(self.cfg.tasks, "evaluation.tasks")
         load_tasks(self.manager, self.cfg.tasks, "evaluation.tasks")  # built once now: each evaluation builds anew
         split = dims.world_size > 1 and dims.dp_size > 1
