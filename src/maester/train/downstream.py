@@ -18,13 +18,13 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer
 from maester.evaluation import require_lm_eval
 from maester.parallel.dims import ParallelDims
+from maester.parallel.ranks import max_over_ranks
 from maester.parallel.precision import Precision, autocast
 from maester.train.checkpoint_files import capture_rng_state, restore_rng_state
 
@@ -75,7 +75,7 @@ class DownstreamEvaluation:
             except Exception as e:  # a task's failure is reported, and training goes on
                 error = f"{type(e).__name__}: {e}"
                 log.error("evaluation task %s failed; training goes on:\n%s", spec, traceback.format_exc())
-            if _failed_anywhere(error is not None):
+            if max_over_ranks(error is not None):  # a task that failed on any rank, agreed by all
                 failures.append({"task": spec, "error": error or "failed on another rank (see its log)"})
         return metrics, failures
 
@@ -90,15 +90,6 @@ class DownstreamEvaluation:
         finally:
             self.model.train()
             restore_rng_state(states)
-
-
-def _failed_anywhere(failed: bool) -> bool:
-    """Whether a task failed on any rank, agreed by all of them (a host collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return failed
-    flag = torch.tensor([int(failed)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag)
 
 
 def evaluate_downstream(evaluation: DownstreamEvaluation, step: int, writer) -> None:
