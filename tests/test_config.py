@@ -6,6 +6,8 @@ Every `load_config` call passes `environ` explicitly so that the host environmen
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 import yaml
 
 from maester.config import Config, ConfigError, load_config
-from maester.config_sources import parse_cli_overrides, parse_value
+from maester.config.sources import parse_cli_overrides, parse_value
 
 DEMO = Path(__file__).parents[1] / "configs" / "demo.toml"
 DEMO_FILE = tomllib.loads(DEMO.read_text())  # what the file says, independent of the loader under test
@@ -188,7 +190,7 @@ def test_every_maester_variable_the_docs_and_messages_name_is_a_switch_or_config
     the value the text gives it, `VAR=value`). A variable that is neither is an error naming it."""
     import re
 
-    from maester.config_sources import SWITCHES
+    from maester.config.sources import SWITCHES
 
     repo = Path(__file__).resolve().parents[1]
     texts = [repo / "README.md", *sorted((repo / "docs").glob("*.md")), *sorted((repo / "src").rglob("*.py"))]
@@ -539,3 +541,17 @@ def test_every_shipped_config_resolves(path):
         return
     cfg = load_config(path, environ={})
     assert Config.model_validate_json(cfg.to_json()) == cfg  # and round-trips
+
+
+
+def test_the_package_names_every_section_and_imports_the_tree_only_on_use():
+    import maester.config
+
+    for name in maester.config.__all__:
+        getattr(maester.config, name)  # each exported name resolves from its module
+    assert set(maester.config.__all__) <= set(dir(maester.config))
+    # the models import the sections' base class, and the tree imports the models: the base must not pull the tree
+    code = ("import sys, maester.config.base, maester.models; "
+            "assert 'maester.config.tree' not in sys.modules, sorted(m for m in sys.modules if 'maester' in m)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -120,6 +120,18 @@ def test_none_intact_stops_and_lists_what_was_found(trained, tmp_path):
     assert not (job / "checkpoints" / "step-6").exists()
 
 
+def test_init_from_a_job_skips_its_damaged_newest_checkpoint_once(trained, tmp_path):
+    source = copy_job(trained, tmp_path / "source")
+    truncate(source / "checkpoints" / "step-4")
+    args = tiny_overrides(trained.parents[1] / "corpus.parquet", tmp_path / "jobs", "y", training__steps=4,
+                          checkpoint__interval=0, checkpoint__init_from=source, checkpoint__load_mode="continue")
+    out = run_maester(["train", str(DEMO_CONFIG), *args], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.count("skipping the damaged checkpoint") == 1, out.stderr[-2000:]  # resolved once at start
+    assert "step-2 with load_mode continue" in out.stderr
+    assert (source / "checkpoints" / "step-4").is_dir()  # another job's checkpoint: not moved aside
+
+
 def test_lost_latest_link_resumes_from_the_newest_step(trained, tmp_path):
     job = copy_job(trained, tmp_path)
     (job / "checkpoints" / "latest").unlink()  # rsync -r and object stores drop links

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from maester.config import load_config
-from maester.config_base import ConfigError
+from maester.config.base import ConfigError
 from maester.train.metrics_file import read_events
 from tests.helpers import tiny_overrides
 

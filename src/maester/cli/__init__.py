@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     if extra and not COMMANDS[args.command].overrides:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
-    from maester.config_base import ConfigError
-    from maester.config_sources import apply_dotenv
+    from maester.config.base import ConfigError
+    from maester.config.sources import apply_dotenv
 
     try:
         apply_dotenv(Path.cwd())

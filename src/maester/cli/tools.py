@@ -171,9 +171,10 @@ def eval_limit(text: str | None) -> int | float | None:
 
 
 def run_eval(args) -> None:
-    from maester.tools.evaluate import download_tasks, evaluate_target, require_lm_eval
+    from maester.evaluation import require_lm_eval
+    from maester.tools.evaluate import download_tasks, evaluate_target
 
-    require_lm_eval()
+    require_lm_eval("maester eval")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ValueError("--tasks names no task")

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from maester.data.tokenizers import Tokenizer
 from maester.models.sampling import sample_batch
+from maester.parallel.ranks import max_over_ranks
 
 GENERATION_KEYS = frozenset({"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"})
 """The generation settings of a task that `generate_until` follows; any other is an error naming it."""
@@ -213,7 +214,7 @@ class MaesterLM(TemplateLM):
             with self.forward_context():
                 outs = sample_batch(self.model, [encoded[i] for i in batch] if batch is not None else idle,
                                     max_gen_toks, eos_id=self.eot_token_id, stop_when=stopped, device=self._device,
-                                    cache_dtype=self.cache_dtype, most=self._most if self.ranks.in_step else None,
+                                    cache_dtype=self.cache_dtype, most=max_over_ranks if self.ranks.in_step else None,
                                     seq_multiple=self.seq_multiple, **sampling)
             for i, out in zip(batch or [], outs):
                 yield i, postprocess_generated_text(self.tok_decode(out), until, None)
@@ -224,15 +225,9 @@ class MaesterLM(TemplateLM):
         """The batches, and with `Ranks.in_step` as many empty ones (None) as the busiest process has more. Their
         number is agreed before the first batch: agreed later, one process's count would meet another's
         collectives inside a batch."""
-        total = self._most(len(batches)) if self.ranks.in_step else len(batches)
+        total = max_over_ranks(len(batches)) if self.ranks.in_step else len(batches)
         yield from batches
         yield from [None] * (total - len(batches))
-
-    def _most(self, n: int) -> int:
-        """The largest `n` of the processes that run their forwards in step (a host collective)."""
-        value = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value)
 
     def _gathered(self, mine: dict) -> dict:
         """Every process's results of a call, from each one's share (`mine`: index -> result)."""

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from maester.config import Config, load_config
-from maester.config_sources import NO_JOB_LOCK
+from maester.config.sources import NO_JOB_LOCK
 from maester.files import write_atomically
 from maester.jobs.slurm import AFTER_SCRIPT, render_after_script, render_slurm_script
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from maester.config import ConfigError, load_config
-from maester.config_job import check_name
-from maester.config_sources import read_config_file
+from maester.config.job import check_name
+from maester.config.sources import read_config_file
 from maester.files import AtomicOutputs
 from maester.jobs.job_dir import write_job_dir
 from maester.jobs.slurm import (ACTIVE_STATES, SubmitError, cancel_jobs, check_inputs, recorded_jobs, slurm_state,

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from maester.config_base import Section
+from maester.config.base import Section
 
 
 class RopeScaling(BaseModel):

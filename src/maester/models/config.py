@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from maester.config_base import Section, format_pydantic_error, suggest
+from maester.config.base import Section, format_pydantic_error, suggest
 from maester.models.registry import ARCHITECTURES
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from maester.durations import format_duration
 from maester.plan.make import FLOAT8_ROWS, Plan, hours_text
 from maester.plan.memory import GiB
 
@@ -13,16 +14,6 @@ LABELS = {
     "activations": "activations at the peak",
     "temporaries": "temporaries at the peak",
 }
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
 
 
 def format_plan(plan: Plan) -> str:
@@ -52,8 +43,8 @@ def format_plan(plan: Plan) -> str:
     for reason in t.caveats + t.factor_reasons:
         lines.append(f"  {reason}")
     lines.append(f"  {t.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, {t.tokens_per_second:,.0f} on "
-                 f"{plan.gpus} GPUs; a step of {t.tokens_per_step:,} tokens in {_duration(t.step_seconds)}")
-    lines.append(f"  {t.steps:,} steps (training.steps): {_duration(t.total_seconds)}, "
+                 f"{plan.gpus} GPUs; a step of {t.tokens_per_step:,} tokens in {format_duration(t.step_seconds)}")
+    lines.append(f"  {t.steps:,} steps (training.steps): {format_duration(t.total_seconds)}, "
                  f"{hours_text(t.gpu_hours)} GPU-hours")
     lines += ["", "assumed:"] + [f"  {note}" for note in plan.notes]
     return "\n".join(lines)

@@ -10,16 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-INSTALL_HINT = ("maester eval runs EleutherAI's lm-evaluation-harness, which is not installed: install maester's "
-                "`eval` extra (pip install 'maester[eval]', or uv sync --extra eval)")
-
-
-def require_lm_eval() -> None:
-    """A clear error (exit 2) where the optional lm-eval package is missing."""
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError:
-        raise ValueError(INSTALL_HINT) from None
+from maester.evaluation import require_lm_eval
 
 
 def evaluate_target(target: str, tasks: list[str], *, limit: float | None = None, batch_size: int = 8,
@@ -28,7 +19,7 @@ def evaluate_target(target: str, tasks: list[str], *, limit: float | None = None
     """lm-eval's results of `tasks` on the model of `target` (on rank 0; None elsewhere), written to `output` as
     JSON when given. The tasks and `output` are checked before the model loads; the checkpoint evaluated is
     printed and recorded in the JSON (`config.checkpoint`, `config.step`)."""
-    require_lm_eval()
+    require_lm_eval("maester eval")
     from maester.evaluation.harness import results_json, run_tasks
     from maester.evaluation.harness_lm import MaesterLM, Ranks
     from maester.evaluation.task_specs import load_tasks, task_manager
@@ -63,7 +54,7 @@ def evaluate_target(target: str, tasks: list[str], *, limit: float | None = None
 
 def download_tasks(tasks: list[str], include_paths: list[str] = ()) -> list[str]:
     """Load every task's documents (a Hub task's data lands in the Hugging Face cache): one line per task."""
-    require_lm_eval()
+    require_lm_eval("maester eval")
     from maester.evaluation.task_specs import load_tasks, task_manager
 
     built = load_tasks(task_manager(tasks, "--tasks", include_paths), tasks, "--tasks")

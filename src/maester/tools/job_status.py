@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from maester.config import Config
+from maester.durations import format_duration
 from maester.jobs.job_dir import refuse_checkpoint
 from maester.jobs.slurm import (ACTIVE_STATES, cancel_jobs, describe_restarts, recorded_jobs, slurm_states,
                                 training_jobs)
@@ -18,7 +19,7 @@ from maester.parallel.hosts import describe_hosts
 from maester.train.checkpoint_dirs import newest_complete
 from maester.train.metrics_file import read_events, read_metrics
 from maester.train.preemption import REQUEUE_FILE, STOP_FILE, read_marker
-from maester.tools.report import duration, job_status, seconds_per_step
+from maester.tools.report import job_status, seconds_per_step
 
 # Why a run stopped on request, as `maester status` says it.
 STOP_CAUSES = {STOP_FILE: "time limit", "SIGUSR1": "time limit", "SIGTERM": "SIGTERM: preemption, requeue or scancel"}
@@ -68,7 +69,7 @@ def status_items(job_dir: Path, now: float | None = None) -> list[tuple[str, str
     if hosts:  # the nodes of the newest run
         items.append(("nodes", describe_hosts(hosts[-1]["hosts"])
                       + (f" (SLURM job {hosts[-1]['slurm_job_id']})" if hosts[-1].get("slurm_job_id") else "")))
-    items.append(("checkpoint", f"{checkpoint.name}, {duration(now - checkpoint.stat().st_mtime)} ago"
+    items.append(("checkpoint", f"{checkpoint.name}, {format_duration(now - checkpoint.stat().st_mtime, digits=0)} ago"
                   if checkpoint else "none yet"))
     items.append(("stops", f"{len(stops)} for a time limit or a preemption, each with a checkpoint to resume from"
                   if stops else "none"))
@@ -96,8 +97,9 @@ def _progress(job_dir: Path, cfg: Config, train: list[dict], now: float) -> list
     items.append(("loss", ("non-finite" if last["loss"] is None else f"{last['loss']:.4f}") + f" at step {last['step']}"))
     pace = seconds_per_step(train)
     if status.step < total:
-        items.append(("remaining", f"{total - status.step} steps, about {duration((total - status.step) * pace)}"
-                      f" at {pace:.3g} s/step" if pace else f"{total - status.step} steps (no pace yet)"))
+        left = total - status.step
+        items.append(("remaining", f"{left} steps, about {format_duration(left * pace, digits=0)} at {pace:.3g} s/step"
+                      if pace else f"{left} steps (no pace yet)"))
     return items
 
 

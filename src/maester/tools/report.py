@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from maester.config import Config
+from maester.durations import format_duration
 from maester.jobs.slurm import describe_restarts, recorded_jobs
 from maester.plan.record import compared_with_plan
 from maester.train.checkpoint_dirs import newest_complete
@@ -115,23 +116,12 @@ def job_status(job_dir: Path, cfg: Config, train: list[dict], now: float) -> Sta
         return Status("requeue", requeue["step"],
                       f"stopped for requeue at step {requeue['step']}{reason}, {_age(requeue, now)}")
     last = train[-1]["step"]
-    ago = duration(now - (job_dir / "metrics.jsonl").stat().st_mtime)
+    ago = format_duration(now - (job_dir / "metrics.jsonl").stat().st_mtime, digits=0)
     return Status("running", last, f"in progress or interrupted: last logged step {last}, {ago} ago")
 
 
 def _age(marker: dict, now: float) -> str:
-    return f"{duration(now - datetime.fromisoformat(marker['time']).timestamp())} ago"
-
-
-def duration(seconds: float) -> str:
-    seconds = max(seconds, 0.0)
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 48 * 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
+    return f"{format_duration(now - datetime.fromisoformat(marker['time']).timestamp(), digits=0)} ago"
 
 
 def recent_window(train: list[dict]) -> list[dict]:
@@ -190,9 +180,12 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
     if status.step < total:
         pace = seconds_per_step(train)
         left = total - status.step
-        items.append(("remaining", f"{left} steps, about {duration(left * pace)} at {pace:.3g} s/step ({span})"
-                      if pace else f"{left} steps (no pace yet: " +
-                      ("one logged step)" if len(train) == 1 else "no tokens/s logged)")))
+        if pace:
+            about = format_duration(left * pace, digits=0)
+            items.append(("remaining", f"{left} steps, about {about} at {pace:.3g} s/step ({span})"))
+        else:
+            why = "one logged step" if len(train) == 1 else "no tokens/s logged"
+            items.append(("remaining", f"{left} steps (no pace yet: {why})"))
 
     last = train[-1]
     finite = [r for r in train if r["loss"] is not None]

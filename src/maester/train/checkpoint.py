@@ -174,17 +174,13 @@ class Checkpointer(BackgroundSaves):
 
     def _broadcast_from_rank_zero(self, work):
         """`work()` run on rank 0, its value (or its ValueError or OSError, raised as a ValueError) on every rank."""
-        import torch.distributed as dist
-
-        box: list = [None]
+        outcome = None
         if self.rank == 0:
             try:
-                box[0] = ("ok", work())
+                outcome = ("ok", work())
             except (ValueError, OSError) as e:
-                box[0] = ("error", str(e))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        kind, value = box[0]
+                outcome = ("error", str(e))
+        kind, value = _from_rank_zero(outcome)
         if kind == "error":
             raise ValueError(value)
         return value
@@ -342,7 +338,8 @@ class Checkpointer(BackgroundSaves):
                 fsync_dir(self.dir)
             except OSError as e:
                 error = e
-        error = _from_rank_zero(error, self.group)  # a barrier too: every rank learns whether the rename happened
+        # a barrier too: every rank learns whether the rename happened
+        error = _from_rank_zero(None if error is None else _reason(error), self.group)
         if error is not None:
             raise self._not_written(final, tmp, error)
         if self.rank == 0:
@@ -510,14 +507,13 @@ def _failed_write(directory: Path) -> str | None:
         probe.unlink(missing_ok=True)
 
 
-def _from_rank_zero(error: BaseException | None, group=None) -> str | None:
-    """Rank 0's error (or None) on every rank of `group` (None: all); a barrier too."""
+def _from_rank_zero(value, group=None):
+    """Rank 0's `value` (picklable) on every rank of `group` (None: all); a barrier too."""
     import torch.distributed as dist
 
-    reason = None if error is None else _reason(error)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return reason
-    box = [reason]
+        return value
+    box = [value]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 

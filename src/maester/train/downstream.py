@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 import traceback
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from maester.config import Config
 from maester.data.tokenizers import Tokenizer
+from maester.evaluation import require_lm_eval
 from maester.parallel.dims import ParallelDims
+from maester.parallel.ranks import max_over_ranks
 from maester.parallel.precision import Precision, autocast
+from maester.train.checkpoint_files import capture_rng_state, restore_rng_state
 
 log = logging.getLogger("maester")
 
@@ -42,13 +42,9 @@ class DownstreamEvaluation:
 
         self.cfg, self.model, self.device, self.precision = cfg.evaluation, model, device, precision
         check_task_files(self.cfg.tasks, "evaluation.tasks")
-        try:
-            from maester.evaluation.harness_lm import MaesterLM, Ranks
-            from maester.evaluation.task_specs import load_tasks, task_manager
-        except ImportError:
-            raise ValueError("evaluation.tasks runs EleutherAI's lm-evaluation-harness, which is not installed: "
-                             "install maester's `eval` extra (pip install 'maester[eval]', or uv sync --extra "
-                             "eval)") from None
+        require_lm_eval("evaluation.tasks")
+        from maester.evaluation.harness_lm import MaesterLM, Ranks
+        from maester.evaluation.task_specs import load_tasks, task_manager
         self.manager = task_manager(self.cfg.tasks, "evaluation.tasks")
         load_tasks(self.manager, self.cfg.tasks, "evaluation.tasks")  # built once now: each evaluation builds anew
         split = dims.world_size > 1 and dims.dp_size > 1
@@ -79,32 +75,21 @@ class DownstreamEvaluation:
             except Exception as e:  # a task's failure is reported, and training goes on
                 error = f"{type(e).__name__}: {e}"
                 log.error("evaluation task %s failed; training goes on:\n%s", spec, traceback.format_exc())
-            if _failed_anywhere(error is not None):
+            if max_over_ranks(error is not None):  # a task that failed on any rank, agreed by all
                 failures.append({"task": spec, "error": error or "failed on another rank (see its log)"})
         return metrics, failures
 
     @contextlib.contextmanager
     def _evaluating(self):
         """The model in eval mode, compiled code run eagerly, and every random number generator as it was."""
-        cuda = [self.device] if self.device.type == "cuda" else []
-        states = random.getstate(), np.random.get_state()
+        states = capture_rng_state()
         self.model.eval()
         try:
-            with torch.random.fork_rng(devices=cuda), torch.compiler.set_stance("force_eager"), torch.no_grad():
+            with torch.compiler.set_stance("force_eager"), torch.no_grad():
                 yield
         finally:
             self.model.train()
-            random.setstate(states[0])
-            np.random.set_state(states[1])
-
-
-def _failed_anywhere(failed: bool) -> bool:
-    """Whether a task failed on any rank, agreed by all of them (a host collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return failed
-    flag = torch.tensor([int(failed)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag)
+            restore_rng_state(states)
 
 
 def evaluate_downstream(evaluation: DownstreamEvaluation, step: int, writer) -> None:

@@ -14,14 +14,22 @@ from maester.train.schedule import lr_multiplier
 log = logging.getLogger("maester")
 
 
-def check_steps_left(cfg: Config) -> None:
-    """A run that takes its step from `checkpoint.init_from` must have steps left before `training.steps`, the number
-    of its last step; checked from the checkpoint's trainer_state.json, before anything is loaded. (A
-    `checkpoint.step_offset` past the end is refused with the config.)"""
+def resolve_init_from(cfg: Config) -> Path | None:
+    """The checkpoint `checkpoint.init_from` names (None: none, or a Hugging Face directory), resolved once, at
+    `checkpoint.verify`: a damaged candidate of a job directory is skipped with one warning."""
+    c = cfg.checkpoint
+    if not c.init_from or c.init_from_hf is not None:
+        return None
+    return resolve_checkpoint(c.init_from, c.verify)
+
+
+def check_steps_left(cfg: Config, source: Path | None) -> None:
+    """A run that takes its step from `source` (`checkpoint.init_from`) must have steps left before
+    `training.steps`, the number of its last step; checked from the checkpoint's trainer_state.json, before anything
+    is loaded. (A `checkpoint.step_offset` past the end is refused with the config.)"""
     c, total = cfg.checkpoint, cfg.training.steps
-    if not c.init_from or c.init_from_hf is not None or "step" not in LOAD_MODES[c.load_mode]:
+    if source is None or "step" not in LOAD_MODES[c.load_mode]:
         return
-    source = resolve_checkpoint(c.init_from)
     step = read_trainer_state(source)["step"]
     if step >= total:
         raise ValueError(f"checkpoint.init_from {source} is at step {step} and checkpoint.load_mode = {c.load_mode!r} "

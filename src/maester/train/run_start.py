@@ -9,7 +9,6 @@ import logging
 from pathlib import Path
 
 from maester.config import LOAD_MODES
-from maester.train.checkpoint import resolve_checkpoint
 from maester.train.hf_weights import load_hf_weights
 from maester.train.init_from import check_stable_phase
 from maester.train.nonfinite import AfterLoadWatch
@@ -46,7 +45,7 @@ def start(t) -> dict | None:
                  "data, step; first step %d", source, t.step + 1)
         return load_event(t, source, "hf")
     if c.init_from:
-        return _init_from(t, resolve_checkpoint(c.init_from, c.verify), c.load_mode)
+        return _init_from(t, t._init_source, c.load_mode)
     take_trainer_state(t, {}, frozenset())
     return None
 

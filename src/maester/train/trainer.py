@@ -37,7 +37,7 @@ from maester.train.downstream import DownstreamEvaluation, evaluate_downstream
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
 from maester.train.hf_weights import fetch_before_process_group
-from maester.train.init_from import check_steps_left
+from maester.train.init_from import check_steps_left, resolve_init_from
 from maester.models.moe import moe_metrics, update_expert_bias
 from maester.train.metrics import (
     MetricsWindow,
@@ -128,8 +128,8 @@ class Trainer:
         self._latest, self.damaged_checkpoints = self.checkpointer.resume_point()  # rank 0's choice, on every rank
         # A resume overwrites every weight and restores the RNG: the random init would be work thrown away.
         self._resuming = self._latest is not None and not read_trainer_state(self._latest).get("seed_checkpoint")
-        if not self._resuming:
-            check_steps_left(cfg)  # before the model is built and the checkpoint loaded
+        self._init_source = None if self._latest else resolve_init_from(cfg)  # checks and load read the same one
+        check_steps_left(cfg, self._init_source)
         self.model = build_training_model(cfg, self.tokenizer.vocab_size, self.dims, self.device, self.precision,
                                           initialise=not self._resuming)
         # Parameters and FLOPs are counted on the whole model: under pp this rank holds some stages only.

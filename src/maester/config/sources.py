@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from maester.config_base import ConfigError, format_pydantic_error, origin_of, suggest
+from maester.config.base import ConfigError, format_pydantic_error, origin_of, suggest
 
 ENV_PREFIX = "MAESTER_"
 NO_JOB_LOCK = "MAESTER_NO_JOB_LOCK"

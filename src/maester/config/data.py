@@ -1,5 +1,5 @@
 """The data sections of the config tree: the tokenizer, the data sources, SFT and the data settings of a run
-(`data`). Re-exported by `config`, which assembles the whole tree."""
+(`data`). Re-exported by the package; `tree` assembles the whole tree."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from maester.config_base import Section
+from maester.config.base import Section
 
 
 class TokenizerConfig(Section):

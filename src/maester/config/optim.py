@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from maester.config_base import Section
+from maester.config.base import Section
 
 
 class ParamGroupRule(Section):
