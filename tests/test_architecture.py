@@ -19,7 +19,8 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # Bottom to top: a module may import its own layer and the ones below it.
 LAYERS = [
     # the ground floor: files, progress bars, the config sections' base class and error messages, exit codes, Hub ids
-    ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes", "maester.hub", "maester.cpus"),
+    ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes", "maester.hub", "maester.cpus",
+     "maester.gpu_defaults"),
     ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
     # the tree, its sections, its sources
     ("maester.config", "maester.config_data", "maester.config_job", "maester.config_optim", "maester.config_sources"),
