@@ -22,8 +22,9 @@ LAYERS = [
     ("maester.files", "maester.progress", "maester.config_base", "maester.exit_codes", "maester.hub", "maester.cpus",
      "maester.gpu_defaults"),
     ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
-    # the tree, its sections, its sources
-    ("maester.config", "maester.config_data", "maester.config_job", "maester.config_optim", "maester.config_sources"),
+    # the tree, its sections, its sources; the combinations of settings maester refuses
+    ("maester.config", "maester.config_data", "maester.config_job", "maester.config_optim", "maester.config_sources",
+     "maester.combinations"),
     # loaders; device meshes, sharding, precision, preflight; lm-evaluation-harness: the model as its LM, the tasks
     ("maester.data", "maester.parallel", "maester.evaluation"),
     ("maester.train",),  # the trainer, checkpoints, optimizers, metrics
