@@ -220,7 +220,10 @@ class CheckpointConfig(Section):
     time: a save waits for the previous one. The last step's save and the save of a stop (SIGTERM, SIGUSR1, the
     stop file) are written before the run goes on or exits. A background write that fails is logged and recorded
     in metrics.jsonl, `latest` stays where it was, training goes on and the next interval saves again; a run whose
-    last save failed exits with an error. `auto`: `async` on CUDA, `off` elsewhere."""
+    last save failed exits with an error. `auto`: `async` on CUDA, `off` elsewhere. Before step 1 the host copies of
+    each node's ranks are sized (`maester.train.checkpoint_memory.staged_bytes`) against 3/4 of the node's available
+    memory: where they do not fit, `auto` saves synchronously and says so in one line, and `async` or `pinned` is
+    refused."""
 
     @property
     def init_from_hf(self) -> str | None:

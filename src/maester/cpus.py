@@ -39,11 +39,11 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), membership: Path = Pat
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: one hierarchy
-            for directory in _and_ancestors(root, path):
+            for directory in cgroup_dirs(root, path):
                 quotas.append(_read_v2(directory / "cpu.max"))
         elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
             for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
-                for directory in _and_ancestors(mount, path):
+                for directory in cgroup_dirs(mount, path):
                     quotas.append(_read_v1(directory))
     found = [q for q in quotas if q is not None]
     return min(found) if found else None
@@ -65,7 +65,7 @@ def prefer_passive_waiting(environ: MutableMapping[str, str] = os.environ) -> bo
     return True
 
 
-def _and_ancestors(mount: Path, path: str) -> list[Path]:
+def cgroup_dirs(mount: Path, path: str) -> list[Path]:
     """The cgroup directory of `path` under `mount` and its ancestors up to the mount (inside a container the
     mount is the process's own cgroup, so `path` may not exist below it: the mount's files then apply)."""
     parts = [p for p in path.split("/") if p]

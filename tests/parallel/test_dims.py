@@ -195,3 +195,22 @@ def test_set_collective_timeout_reaches_every_group_it_is_given():
             assert g._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=7)
     finally:
         dist.destroy_process_group()
+
+
+def test_no_module_slices_a_flattened_dimension_from_the_root():
+    """G11: `mesh["dp"]` (any name of `FLATTENED`) slices a flattened dimension from the root mesh, which torch
+    deprecates; the package asks `ParallelDims.submesh`, which keeps the flattened meshes."""
+    import ast
+    from pathlib import Path
+
+    import maester
+    from maester.parallel.dims import FLATTENED
+
+    found = []
+    for path in sorted(Path(maester.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "mesh":
+                keys = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                if any(isinstance(k, ast.Constant) and k.value in FLATTENED for k in keys):
+                    found.append(f"{path.name}:{node.lineno}")
+    assert found == []

@@ -173,6 +173,23 @@ def test_tensor_parallel_shards_must_keep_multiples_of_16():
     assert "layers.0.attention.q_proj" in converted(model)
 
 
+def test_rows_that_do_not_divide_over_the_float8_all_gather_stay():
+    """Llama 3 8B's rows (q/o/down 4096, k/v 1024, gate/up 14336) per TP shard over the FSDP shards: even at 8 and 64
+    ranks, uneven at 24 and 48 (4096 % 24 = 16); under TP each column-parallel layer holds rows / tp."""
+    from maester.parallel.float8 import uneven_rows
+
+    rows = (4096, 1024, 14336)
+    assert not any(uneven_rows(r, 1, shards) for r in rows for shards in (8, 16, 64))
+    assert [uneven_rows(r, 1, 24) for r in rows] == [True, True, True]
+    assert [uneven_rows(r, 1, 48) for r in rows] == [True, True, True]
+    assert not uneven_rows(1024, 1, 512) and uneven_rows(1024, 4, 512)  # tp 4: 256 rows per TP shard
+    model = model_of()  # q/o/down 64 rows, k/v 32, gate/up 192: only gate/up divide over 3
+    names = convert_to_float8(model, f8(), fsdp=True, fsdp_shards=3)
+    assert set(names) == {f"layers.{i}.feed_forward.{p}_proj" for i in range(2) for p in ("gate", "up")}
+    rowwise = model_of()  # rowwise all-gathers in bf16: no rows to divide
+    assert len(convert_to_float8(rowwise, f8(recipe="rowwise"), fsdp=True, fsdp_shards=3)) == 14
+
+
 def test_moe_router_and_experts_stay():
     model = model_of(name="olmoe")
     convert_to_float8(model, f8(), fsdp=False)
@@ -191,6 +208,18 @@ def test_fsdp_float8_all_gather_for_tensorwise_only():
         assert q.config.enable_fsdp_float8_all_gather == all_gather
         assert isinstance(q.weight.data, WeightWithDynamicFloat8CastTensor) == all_gather
         assert Float8Training(model).precompute == all_gather
+
+
+def test_cpu_offload_skips_the_scale_precompute(caplog):
+    """G14: under parallel.cpu_offload FSDP2 copies each shard to the GPU with .to(), which torchao rewraps without
+    the precomputed scale, so the precompute (an all-reduce a step) would be lost: it is skipped, and the log says so
+    (the GPU run: tests/train/test_float8_gpu.py)."""
+    model = model_of()
+    convert_to_float8(model, f8(), fsdp=True)
+    assert Float8Training(model).precompute
+    with caplog.at_level("INFO", logger="maester"):
+        assert not Float8Training(model, cpu_offload=True).precompute
+    assert "scales are not precomputed after the optimizer step under parallel.cpu_offload" in caplog.text
 
 
 def test_float8_tp_styles_on_gpus_only():

@@ -55,6 +55,16 @@ def test_compiled_float8_under_fsdp_tracks_bf16(tmp_path, recipe):  # pragma: no
     assert max(abs(a - b) / b for a, b in zip(float8, bf16)) < 0.03, (float8, bf16)
 
 
+def test_cpu_offload_trains_float8_without_the_scale_precompute(tmp_path):  # pragma: no cover - GPU check
+    """G14: FSDP2's copies of offloaded shards to the GPU drop torchao's precomputed scales, so the run skips the
+    precompute, says so, and each all-gather computes its scale."""
+    bf16 = train(tmp_path, "offload-bf16", parallel__cpu_offload="true")
+    float8 = train(tmp_path, "offload", parallel__cpu_offload="true", training__float8__enabled="true")
+    log = (tmp_path / "jobs" / "offload" / "logs" / "train.log").read_text()
+    assert "scales are not precomputed after the optimizer step under parallel.cpu_offload" in log
+    assert len(float8) == 8 and max(abs(a - b) / b for a, b in zip(float8, bf16)) < 0.03, (float8, bf16)
+
+
 def test_float8_tensor_parallel_styles_run_scaled_mm(tmp_path):  # pragma: no cover - GPU check
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -5,14 +5,17 @@ parallelize.py, before the config refactor):
 - `check_float8` refuses, before any work, what cannot run: a GPU without float8 matmuls, DDP, a torchao that
   does not match the installed torch (`version_problem`), emulation on a GPU;
 - `convert_to_float8` swaps the `nn.Linear` layers of the transformer blocks for `Float8Linear` on the meta model,
-  before `parallelize`: the output layer, MoE routers and experts, `filter`ed layers and layers whose dims are not
-  multiples of 16 keep their precision. Tensorwise scaling under FSDP all-gathers the weights in float8;
+  before `parallelize`: the output layer, MoE routers and experts, `filter`ed layers, layers whose dims are not
+  multiples of 16 and, under the float8 all-gather, layers whose rows do not divide over the FSDP shards
+  (`uneven_rows`) keep their precision. Tensorwise scaling under FSDP all-gathers the weights in float8;
 - `tensor_parallel_style` gives torchao's float8 TP styles for those layers under tensorwise scaling on GPUs;
 - `Float8Training.after_optimizer_step` computes the float8 weight scales of all layers in one all-reduce
   (`precompute_float8_dynamic_scale_for_fsdp`), as torchtitan's post-optimizer hook does.
 
-The weights stay ordinary high-precision parameters (torchao casts them at each matmul), so checkpoints are the same
-as without float8 and load into a model with or without it. torchao is imported only when float8 is enabled.
+The weights stay high-precision parameters (torchao casts them at each matmul; under the float8 all-gather each is
+wrapped in torchao's WeightWithDynamicFloat8CastTensor, which checkpoints unwrap: train/checkpoint_tensors.py), so
+checkpoints are the same as without float8 and load into a model with or without it. torchao is imported only when
+float8 is enabled.
 """
 
 from __future__ import annotations
@@ -36,12 +39,20 @@ log = logging.getLogger("maester")
 # and its Python API also serves 2.10 (the C++ extensions, which float8 training does not use, are skipped there).
 # tests/parallel/test_float8.py passed on the CPU with torchao 0.16 + torch 2.10, 0.17 + 2.10 and 2.15, 0.18 + 2.10
 # (CI's floor environment) and 2.15 (the lock, which also runs the two-rank tests); a newer torch or torchao is
-# refused until it has been checked and added here.
+# refused until it has been checked and added here. pyproject.toml's torchao bound moves with it (torchao_requirement).
 TORCHAO_TORCH = {
     (0, 16): ((2, 10), (2, 10)),
     (0, 17): ((2, 10), (2, 15)),
     (0, 18): ((2, 10), (2, 15)),
 }
+
+
+def torchao_requirement() -> str:
+    """The requirement of maester's float8 extra (pyproject.toml) from `TORCHAO_TORCH`: its oldest release up to,
+    not including, the minor release after its newest, so that an install never fetches a torchao maester refuses.
+    A test holds pyproject.toml to it: adding a release to the table moves the bound."""
+    newest = max(TORCHAO_TORCH)
+    return f"torchao>={_dotted(min(TORCHAO_TORCH))},<{newest[0]}.{newest[1] + 1}"
 
 
 class Float8Unsupported(ValueError):
@@ -193,10 +204,13 @@ def torchao_config(f8: Float8Config, fsdp: bool):
                                enable_fsdp_float8_all_gather=fsdp and f8.recipe == "tensorwise")
 
 
-def convertible_linears(model: nn.Module, f8: Float8Config, tp: int = 1) -> tuple[dict[str, nn.Linear], dict[str, str]]:
+def convertible_linears(model: nn.Module, f8: Float8Config, tp: int = 1,
+                        gather_shards: int = 1) -> tuple[dict[str, nn.Linear], dict[str, str]]:
     """(name -> layer to convert, name -> why a block linear stays in high precision). Only the blocks' layers are
     candidates (the output layer is outside them); routers stay (their logits choose experts), as do the `filter`ed
-    layers and those whose dims, per tensor-parallel shard, are not multiples of 16 (float8 matmuls need them)."""
+    layers, those whose dims, per tensor-parallel shard, are not multiples of 16 (float8 matmuls need them), and,
+    under FSDP's float8 all-gather over `gather_shards` ranks, those whose rows per tensor-parallel shard do not
+    divide over them (`uneven_rows`)."""
     convert, keep = {}, {}
     for block_name, block in model.layers.named_children():
         routers = {id(m.router.gate) for m in block.modules() if isinstance(m, MoEFeedForward)}
@@ -210,6 +224,9 @@ def convertible_linears(model: nn.Module, f8: Float8Config, tp: int = 1) -> tupl
                 keep[full] = "training.float8.filter"
             elif module.in_features % (16 * tp) or module.out_features % (16 * tp):
                 keep[full] = f"dims {module.in_features} x {module.out_features} not multiples of {16 * tp}"
+            elif uneven_rows(module.out_features, tp, gather_shards):
+                keep[full] = (f"{module.out_features // tp} rows per tensor-parallel shard do not divide over the "
+                              f"{gather_shards} FSDP shards of the float8 all-gather")
             else:
                 convert[full] = module
     unused = [entry for entry in f8.filter if not any(entry in name for name in [*convert, *keep])]
@@ -219,14 +236,26 @@ def convertible_linears(model: nn.Module, f8: Float8Config, tp: int = 1) -> tupl
     return convert, keep
 
 
-def convert_to_float8(model: nn.Module, f8: Float8Config, fsdp: bool, tp: int = 1) -> list[str]:
+def uneven_rows(rows: int, tp: int, gather_shards: int) -> bool:
+    """Whether a weight of `rows` rows (dim 0) cannot take FSDP's float8 all-gather over `gather_shards` ranks:
+    torchao (up to 0.18 at least) has the one-argument `fsdp_pre_all_gather(mesh)`, so FSDP2 cannot pad a last
+    shard that is shorter than the others, and the all-gather fails or mixes rows (pytorch/ao#3982). Counted per
+    tensor-parallel shard (rows / tp: exact for the column-parallel layers, stricter than needed for the row-parallel
+    o_proj and down_proj, which hold every row). Drop this rule once the accepted torchao releases all have the
+    padded, five-argument `fsdp_pre_all_gather` (pytorch/ao#3983)."""
+    return (rows // tp) % gather_shards != 0
+
+
+def convert_to_float8(model: nn.Module, f8: Float8Config, fsdp: bool, tp: int = 1, fsdp_shards: int = 1) -> list[str]:
     """Swap the blocks' convertible `nn.Linear` layers (`convertible_linears`) for Float8Linear, in place, keeping
-    their parameters (on the meta device before parallelize, as torchtitan converts). Returns the converted names."""
-    convert, keep = convertible_linears(model, f8, tp)
+    their parameters (on the meta device before parallelize, as torchtitan converts). `fsdp_shards`: the ranks FSDP
+    shards a block's weights over. Returns the converted names."""
+    config = torchao_config(f8, fsdp)
+    gather_shards = fsdp_shards if config.enable_fsdp_float8_all_gather else 1
+    convert, keep = convertible_linears(model, f8, tp, gather_shards)
     if not convert:
         raise Float8Unsupported("training.float8: no linear layer of the transformer blocks can be converted "
                                 f"({'; '.join(f'{k}: {v}' for k, v in list(keep.items())[:4])})")
-    config = torchao_config(f8, fsdp)
     cls = float8_linear_class()
     for name, module in convert.items():
         parent_name, _, attr = name.rpartition(".")
@@ -236,6 +265,11 @@ def convert_to_float8(model: nn.Module, f8: Float8Config, fsdp: bool, tp: int = 
         import torch._inductor.config
 
         torch._inductor.config.emulate_precision_casts = True
+    uneven = [name for name, why in keep.items() if "FSDP shards" in why]
+    if uneven:
+        log.warning("float8: %d layer(s) kept in high precision because their rows do not divide over the %d FSDP "
+                    "shards (torchao's float8 all-gather cannot pad a shorter last shard): %s", len(uneven),
+                    gather_shards, ", ".join(uneven))
     kept = sorted({why for why in keep.values()})
     log.info("float8 (%s%s%s): %d linear layers converted; kept in high precision: the output layer%s%s",
              f8.recipe, ", float8 all-gather" if config.enable_fsdp_float8_all_gather else "",
@@ -273,7 +307,7 @@ def tensor_parallel_style(style: type, modules: list[nn.Module], float8_comms: b
 class Float8Training:
     """The run's float8 work around the optimizer step."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, cpu_offload: bool = False):
         """Made once the weights are in place (initialised or loaded), on every rank at once: it computes the first
         step's scales (a collective) as `after_optimizer_step` computes every later step's. Without them the first
         step's all-gather computes each weight's scale itself, from its amax over the FSDP shards only: under TP x
@@ -283,6 +317,12 @@ class Float8Training:
         # FSDP's float8 all-gather takes each weight's scale from `precompute` when one is set (torchao's
         # WeightWithDynamicFloat8CastTensor); set only where a layer all-gathers in float8.
         self.precompute = any(is_float8(m) and m.config.enable_fsdp_float8_all_gather for m in model.modules())
+        if self.precompute and cpu_offload:
+            # FSDP2 copies each offloaded shard to the GPU with .to(), which torchao rewraps without the precomputed
+            # scale (fsdp_utils.py: _to_copy keeps the class, not _precomputed_scale): the work would be lost
+            self.precompute = False
+            log.info("float8: scales are not precomputed after the optimizer step under parallel.cpu_offload (the "
+                     "shards' copies to the GPU drop them); each layer computes its scale in its all-gather")
         self.after_optimizer_step()
 
     def after_optimizer_step(self) -> None:

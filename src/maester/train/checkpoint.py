@@ -35,11 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from maester.config import LOAD_MODES, PARTIAL_LOAD_MODES, CheckpointConfig
 from maester.files import fsync_dir, point_link, write_durably
@@ -49,6 +45,7 @@ from maester.train.checkpoint_files import (
     has_optimizer_state, is_complete, load_model_weights, match_model, read_rng_state, read_trainer_state,
     restore_rng_state, single_process_ok, step_dirs, verify_checkpoint,
 )
+from maester.train.checkpoint_tensors import plain_state, state_to_save
 from maester.train.faults import maybe_crash, maybe_hang
 
 log = logging.getLogger("maester")
@@ -254,15 +251,11 @@ class Checkpointer(BackgroundSaves):
         self.wait()
         background = background and self.async_mode != "off"
         final = self.dir / f"step-{step}"
+        state = state_to_save(model, optimizer)  # refuses what a checkpoint cannot hold, before any file changes
         if self.rank == 0:
             self._remove_unfinished()
             self.dir.mkdir(parents=True, exist_ok=True)
         _barrier(self.group)
-        if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
         files = self._small_files(step, trainer_state, config_json)
         result = SaveResult(step, final, background)
         if not background:
@@ -425,7 +418,8 @@ class Checkpointer(BackgroundSaves):
         hyperparameters = copy.deepcopy(optim_sd["param_groups"])
         # The per-parameter state only, keyed by parameter name: the groups may differ where the checkpoint was
         # saved (a pipeline rank's groups hold its stages' parameters).
-        state = {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
+        # read into the live tensors' storage (plain_state unwraps without a copy)
+        state = plain_state({"model": model_sd, "optimizer": {"state": optim_sd["state"]}})
         dcp_load(state, path)
         state["optimizer"]["param_groups"] = hyperparameters
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -60,7 +60,8 @@ class Phases:
 def resolve_async_mode(setting: str, device_type: str) -> str:
     """`checkpoint.async_mode` for a run on `device_type`: `auto` is `async` on CUDA (the staging copy from the GPU
     is several times faster than the disk) and `off` elsewhere (`async` on the CPU too under the test switch of
-    `maester.gpu_defaults`); `pinned` needs CUDA and is refused elsewhere."""
+    `maester.gpu_defaults`); `pinned` needs CUDA and is refused elsewhere. Whether the host copies fit is decided
+    once the model is built (`BackgroundSaves.fit_host_memory`)."""
     from maester.gpu_defaults import resolves_as
 
     if setting == "auto":
@@ -96,6 +97,16 @@ class BackgroundSaves:
         self._in_flight: tuple[SaveResult, Future] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._stager = None  # DCP's stager, which keeps its buffers from save to save
+
+    def fit_host_memory(self, setting: str, model, optimizer) -> None:
+        """Keep background saves only where each node's host copies fit its memory (`checkpoint_memory`): `auto`
+        (`setting`) then saves synchronously, saying so; an explicit `async` or `pinned` is refused. Before step 1,
+        on every rank (a collective unless the mode is off)."""
+        if self.async_mode != "off":
+            from maester.train.checkpoint_memory import fit_async_mode, node_host_memory, staged_bytes
+
+            self.async_mode = fit_async_mode(setting, self.async_mode,
+                                             node_host_memory(staged_bytes(model, optimizer)))
 
     def poll(self) -> None:
         """Collect the background save into `finished` if it has ended; never waits."""

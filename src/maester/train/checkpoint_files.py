@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 # Checkpoint names live where status reads them without torch; the names stay importable from here too.
 from maester.train.checkpoint_dirs import STEP_DIR, TRAINER_STATE, is_complete, step_dirs
+from maester.train.checkpoint_tensors import plain_state
 
 
 log = logging.getLogger("maester")
@@ -360,6 +361,6 @@ def load_model_weights(path: Path, model: nn.Module, family: str | None = None, 
     """Load only the model from a checkpoint (fine-tuning, generation): every model key must be present and none
     other (`match_model`; `partial`: the keys the two share)."""
     keys = match_model(path, model, family, partial)
-    state = {"model": {k: v for k, v in get_model_state_dict(model).items() if k in keys}}
+    state = {"model": plain_state({k: v for k, v in get_model_state_dict(model).items() if k in keys})}
     dcp_load(state, path)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not partial))

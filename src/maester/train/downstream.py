@@ -51,7 +51,7 @@ class DownstreamEvaluation:
         self.manager = task_manager(self.cfg.tasks, "evaluation.tasks")
         split = dims.world_size > 1 and dims.dp_size > 1
         ranks = Ranks(rank=dims.dp_rank if split else 0, size=dims.dp_size if split else 1,
-                      group=dims.mesh["dp"].get_group() if split else None, in_step=dims.world_size > 1)
+                      group=dims.submesh("dp").get_group() if split else None, in_step=dims.world_size > 1)
         self.lm = MaesterLM(model, tokenizer, device=device, add_bos=cfg.data.add_bos,
                             batch_size=self.cfg.batch_size, ranks=ranks,
                             forward_context=lambda: autocast(precision, device), cache_dtype=precision.compute_dtype,

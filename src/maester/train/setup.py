@@ -111,7 +111,8 @@ def build_training_model(cfg: Config, tokenizer_vocab: int, dims: ParallelDims, 
     if cfg.training.float8.enabled:  # before parallelize, as torchtitan converts
         from maester.parallel.float8 import convert_to_float8
 
-        convert_to_float8(meta, cfg.training.float8, fsdp=dims.fsdp_enabled, tp=dims.tp)
+        convert_to_float8(meta, cfg.training.float8, fsdp=dims.fsdp_enabled, tp=dims.tp,
+                          fsdp_shards=dims.dp_shard * dims.cp)
     if dims.pp > 1:  # each pipeline stage parallelised and initialised on its own, from its own seed
         from maester.parallel.pipeline import build_pipeline_model
 

@@ -134,6 +134,7 @@ class Trainer:
         self.scaler = LossScaler(next(iter(self.model.parameters())).device) if self.precision.loss_scaling else None
         self.loss_parallel = uses_loss_parallel(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
+        self.checkpointer.fit_host_memory(cfg.checkpoint.async_mode, self.model, self.optimizer)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
         self._params = [p for p in self.model.parameters() if p.requires_grad]  # the ones clipping sees
         self.dp_group = self.dims.submesh("dp").get_group() if self.world_size > 1 else None
@@ -151,7 +152,6 @@ class Trainer:
         param_device = next(iter(self.model.parameters())).device
         self.nonfinite = NonFiniteGuard(cfg.training.nonfinite, cfg.training.max_skipped_steps, self.optimizer,
                                         param_device, self.loss_group)
-
         if self.rank == 0 and cfg.data.verify_downloads:  # a swapped file of a download is an error, not data
             verify_downloaded(cfg.data, self.job_dir / VERIFIED_DOWNLOADS)
         self.loader = build_loader(cfg.data, cfg.tokenizer, self.tokenizer, seed=cfg.training.seed,
@@ -165,7 +165,7 @@ class Trainer:
         self.downstream = DownstreamEvaluation(cfg, self.model, self.tokenizer, self.dims, self.device,
                                                self.precision) if cfg.evaluation.tasks else None
         self._resume_or_initialise()
-        self.float8 = Float8Training(self.model) if cfg.training.float8.enabled else None  # of the weights loaded
+        self.float8 = Float8Training(self.model, cfg.parallel.cpu_offload) if cfg.training.float8.enabled else None
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
                  "x pp %d; %d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
                  cfg.model.name, cfg.model.flavor, f"{count_parameters(self.whole_model):,}", self.world_size,
