@@ -37,6 +37,8 @@ NOT_ON_THE_CPU: dict[str, str] = {
     "float8 tensor-parallel styles": "torchao's float8 all-gathers of activations under TP are taken on CUDA only; "
                                      "a CPU run's TP gathers in high precision",
     "SDPA kernel order": "cuDNN, then Flash first on Hopper: CUDA kernels that the CPU does not have",
+    "parallel.compile kernels": "Inductor writes Triton kernels for a GPU and C++ for the CPU: a compiled CPU run "
+                                "traces and lowers the same graphs, but runs other kernels",
 }
 """The GPU choices a CPU run cannot make under the switch, and why (the switch leaves these as the CPU has them)."""
 

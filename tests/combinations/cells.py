@@ -29,6 +29,10 @@ PHASE_TIMEOUT = 900.0  # seconds; a compile on a machine five times oversubscrib
 
 WORLD = {"one": 1, "fsdp": 2, "hsdp": 4, "ddp": 2, "tp": 2, "pp": 2, "cp": 2, "ep": 2, "tp_fsdp": 4}
 DATA_PARALLEL = {"one": 1, "fsdp": 2, "hsdp": 4, "ddp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 2, "tp_fsdp": 2}
+# micro-batches per step and rank: two where accumulating is a path of its own (gradient sync or reduce-scatter once
+# per step; the pipeline's schedule), one where each forward costs most (DTensor dispatch under TP, CP's gathers)
+ACCUMULATION = {"one": 2, "fsdp": 2, "hsdp": 1, "ddp": 2, "tp": 1, "pp": 2, "cp": 1, "ep": 1, "tp_fsdp": 1}
+GLOBAL_BATCH = 4  # sequences
 LAYOUT = {
     "one": {}, "fsdp": {"parallel.dp_shard": 2}, "hsdp": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2},
     "ddp": {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}, "tp": {"parallel.tp": 2, "parallel.dp_shard": 1},
@@ -91,8 +95,8 @@ class Cell:
         v = self.values
         out: dict[str, object] = {
             "model.flavor": "tiny", "data.seq_len": 32, "data.num_workers": 0, "training.steps": STEPS,
-            "training.global_batch_size": 4, "training.device": "cpu",
-            "training.micro_batch_size": 1 if DATA_PARALLEL[v["layout"]] == 4 else 2,
+            "training.global_batch_size": GLOBAL_BATCH, "training.device": "cpu",
+            "training.micro_batch_size": GLOBAL_BATCH // (DATA_PARALLEL[v["layout"]] * ACCUMULATION[v["layout"]]),
             "training.cpu_threads": 1, "optimizer.lr": "3e-3", "schedule.name": "cosine",
             "schedule.warmup_steps": 2, "checkpoint.interval": SAVED, "checkpoint.keep_last": 2,
             "logging.interval": 1,
@@ -146,17 +150,22 @@ def _steps(job: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(job / "metrics.jsonl") if "loss" in r}
 
 
-def run_refused(cell: Cell, files: Files, zygote: Zygote, message: str) -> None:
-    """The cell's run must end with exit code 2 before its first step, saying `message`, and leave no job."""
+def run_refused(cell: Cell, files: Files, zygote: Zygote, message: str, **extra) -> None:
+    """The cell's run (with the settings `extra` too) must end before its first step, rank 0 with exit code 2
+    saying `message`, and leave no job. The other ranks refuse it too, or, where the refusal comes once the process
+    group is up and a slow rank was still joining it when its peers left, end with a collective error (exit 6)."""
+    from maester.exit_codes import BAD_INPUT, COLLECTIVE
+
     logs = files.root / "logs"
-    ranks = Ranks(zygote, cell.world, cell.argv(files, cell.name), logs, _env(), cell.name)
+    ranks = Ranks(zygote, cell.world, cell.argv(files, cell.name, **extra), logs, _env(), cell.name)
     statuses = ranks.wait(PHASE_TIMEOUT, every=True)
     job = files.root / "jobs" / cell.name
     tails = ranks.log_tail()
-    if statuses != [2] * cell.world or message not in tails:
+    if statuses[0] != BAD_INPUT or message not in ranks.logs[0].read_text() or \
+            any(s not in (BAD_INPUT, COLLECTIVE) for s in statuses):
         raise CellFailed(f"expected a refusal (exit 2) saying {message!r}, got {statuses}:\n{tails}")
-    if (job / "metrics.jsonl").exists() and _steps(job):
-        raise CellFailed(f"refused after training steps: {_steps(job)}")
+    if job.exists():  # a refusal changes no file
+        raise CellFailed(f"refused, but left {job}: {sorted(p.name for p in job.iterdir())}")
 
 
 def run_cell(cell: Cell, files: Files, zygote: Zygote) -> Path:

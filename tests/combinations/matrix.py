@@ -20,9 +20,17 @@ RISKY = ("layout", "precision", "checkpoint")
 Tuple = tuple[tuple[str, str], ...]
 
 
+# CPU seconds of a cell's training phases on the 2-core machine of the suite (tests/combinations runs, eager);
+# compiling adds about COMPILE per process (the kill's and the resume's, with a cold Inductor cache; a third of that
+# warm), twice that for a mixture of experts, whose routing breaks each block into several graphs
+LAYOUT_COST = {"one": 3, "ddp": 4, "pp": 4, "fsdp": 7, "ep": 8, "cp": 6, "tp": 8, "hsdp": 16, "tp_fsdp": 26}
+COMPILE = 15
+
+
 def cost(cell: dict[str, str]) -> float:
-    """The CPU seconds a cell takes, roughly: processes, and compiling (far the most)."""
-    return WORLD[cell["layout"]] * (1 + 8 * (cell["compile"] == "on")) + 2
+    """The CPU seconds a cell takes, roughly: its processes, and compiling (far the most)."""
+    compiling = COMPILE * WORLD[cell["layout"]] * (1 + (cell["family"] == "moe")) if cell["compile"] == "on" else 0
+    return LAYOUT_COST[cell["layout"]] + compiling + 1
 
 
 def tuples_of(cell: dict[str, str], groups: list[tuple[str, ...]]) -> set[Tuple]:
@@ -51,7 +59,8 @@ def _complete(start: dict[str, str], wanted: set[Tuple], groups, rng: random.Ran
                 continue
             gain = sum(1 for g in groups if factor in g and all(f in trial for f in g)
                        and tuple((f, trial[f]) for f in g) in wanted)
-            penalty = 0.01 * ((factor == "compile" and value == "on") + (factor == "layout" and WORLD[value] > 2))
+            penalty = 0.001 * (COMPILE * (factor == "compile" and value == "on")
+                               + (LAYOUT_COST[value] if factor == "layout" else 0))
             scored.append((gain - penalty, rng.random(), value))  # ties: any, but the same for a seed
         cell[factor] = max(scored)[2]
     return {f: cell[f] for f in FACTORS}

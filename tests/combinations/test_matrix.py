@@ -53,41 +53,55 @@ def export_failure(cell: Cell, result: dict, out) -> str | None:
     return export.compare(out)
 
 
+def _cpu(zygotes) -> float:
+    """CPU seconds of this process and of the processes the zygotes forked that have ended."""
+    return time.process_time() + sum(z.cpu_seconds for z in zygotes)
+
+
+def _record(record_property, zygotes, start: tuple[float, float], passed: list[Cell], refused: int = 0) -> None:
+    """What the run's closing line adds up (conftest.pytest_terminal_summary)."""
+    record_property("matrix_cells", len(passed))
+    record_property("matrix_refused", refused)
+    record_property("matrix_pairs", sorted({t for c in passed for t in itertools.combinations(
+        [(f, c.values[f]) for f in FACTORS], 2)}))
+    record_property("matrix_start", start[0])
+    record_property("matrix_end", time.time())
+    record_property("matrix_cpu", _cpu(zygotes) - start[1])
+
+
+def export_group(checkpoints: dict[str, object], cells: dict[str, Cell], files, zygote) -> dict[str, str]:
+    """Phase 3 of the cells whose `checkpoints` (name -> step-3) are given, in one fresh process; returns why each
+    cell that failed it failed."""
+    spec = files.root / f"export-{next(iter(checkpoints))}.json"
+    outs = {name: files.root / "exports" / name for name in checkpoints}
+    spec.write_text(json.dumps([{"checkpoint": str(checkpoints[n]), "out": str(outs[n])} for n in checkpoints]))
+    log = files.root / "logs" / f"{spec.stem}.log"
+    pid = zygote.start("tests.combinations.export:export_checkpoints", [str(spec)], log)
+    status = zygote.wait(pid, 900)
+    if status != 0:
+        zygote.kill(pid)
+        raise AssertionError(f"the export process ended with {status}:\n{log.read_text()[-4000:]}")
+    results = json.loads((spec.parent / (spec.name + ".result.json")).read_text())
+    return {name: f"export: {why}" for name, result in zip(checkpoints, results)
+            if (why := export_failure(cells[name], result, outs[name])) is not None}
+
+
 def run_group(cells: list[Cell], files, zygotes, record_property) -> None:
     """Phases 1 and 2 of each cell, then one export process for all of them, then the comparisons; fails
     naming every cell that failed and why."""
-    train, export_zygote = zygotes
-    start = time.time()
+    start = time.time(), _cpu(zygotes)
+    by_name = {c.name: c for c in cells}
     failures: dict[str, str] = {}
-    exported: dict[str, object] = {}
+    checkpoints: dict[str, object] = {}
     for cell in cells:
         try:
-            exported[cell.name] = run_cell(cell, files, train)
+            checkpoints[cell.name] = run_cell(cell, files, zygotes[0])
         except CellFailed as e:
             failures[cell.name] = str(e)
-    if exported:
-        spec = files.root / f"export-{cells[0].name}.json"
-        outs = {name: files.root / "exports" / name for name in exported}
-        spec.write_text(json.dumps([{"checkpoint": str(exported[n]), "out": str(outs[n])} for n in exported]))
-        log = files.root / "logs" / f"{spec.stem}.log"
-        pid = export_zygote.start("tests.combinations.export:export_checkpoints", [str(spec)], log)
-        status = export_zygote.wait(pid, 900)
-        if status != 0:
-            export_zygote.kill(pid)
-            raise AssertionError(f"the export process ended with {status}:\n{log.read_text()[-4000:]}")
-        results = json.loads((spec.parent / (spec.name + ".result.json")).read_text())
-        by_name = {c.name: c for c in cells}
-        for name, result in zip(exported, results):
-            if (why := export_failure(by_name[name], result, outs[name])) is not None:
-                failures[name] = f"export: {why}"
-    passed = [c for c in cells if c.name not in failures]
-    record_property("matrix_cells", len(passed))
-    record_property("matrix_pairs", sorted({t for c in passed for t in itertools.combinations(
-        sorted(c.values.items(), key=lambda kv: list(FACTORS).index(kv[0])), 2)}))
-    record_property("matrix_start", start)
-    record_property("matrix_end", time.time())
+    if checkpoints:
+        failures.update(export_group(checkpoints, by_name, files, zygotes[1]))
+    _record(record_property, zygotes, start, [c for c in cells if c.name not in failures])
     if failures:
-        by_name = {c.name: c for c in cells}
         raise AssertionError("\n\n".join(f"{name} ({by_name[name].label()}):\n{why}" for name, why in failures.items()))
 
 
@@ -103,7 +117,7 @@ def test_the_full_matrix_trains_resumes_and_exports(group, matrix_files, zygotes
 
 
 def test_the_table_refusals_are_refused_before_the_first_step(matrix_files, zygotes, record_property):
-    start = time.time()
+    start = time.time(), _cpu(zygotes)
     failures = []
     for cell in matrix(False)[1]:
         (refusal,) = refusals_of(cell.values)
@@ -111,11 +125,18 @@ def test_the_table_refusals_are_refused_before_the_first_step(matrix_files, zygo
             run_refused(cell, matrix_files, zygotes[0], refusal.message)
         except CellFailed as e:
             failures.append(f"{cell.name} ({cell.label()}):\n{e}")
-    record_property("matrix_cells", 0)
-    record_property("matrix_refused", len(matrix(False)[1]))
-    record_property("matrix_start", start)
-    record_property("matrix_end", time.time())
+    _record(record_property, zygotes, start, [], refused=len(matrix(False)[1]) - len(failures))
     assert not failures, "\n\n".join(failures)
+
+
+def test_the_gpus_refusal_of_eager_float8_is_made_with_the_gpus_settings_on_the_cpu_too(matrix_files, zygotes):
+    """The CPU emulates float8 and may run it eagerly; with a GPU's settings (no emulation) the config refuses
+    float8 without compile on the CPU too, before step 1."""
+    (refusal,) = [r for r in REFUSALS if r.where == "gpu"]
+    values = {f: next(iter(v)) for f, v in FACTORS.items()} | {"precision": "float8-tensorwise", "compile": "off"}
+    assert refusal.applies(values, "gpu") and not refusals_of(values, "cpu")
+    run_refused(Cell(values, 600), matrix_files, zygotes[0], refusal.message,
+                **{"training.float8.emulate": "false"})
 
 
 def test_every_refusal_the_cpu_makes_is_in_a_cell_of_the_slice_and_no_trained_cell_is_refused():
