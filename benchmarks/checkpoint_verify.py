@@ -1,5 +1,6 @@
-"""What `checkpoint.verify = "full"` costs a resume: the CRC-32 of every file of a real checkpoint, per GB, against
-the size check and against the resume's own read of the checkpoint (`Checkpointer.load`), in one process.
+"""What `checkpoint.verify = "full"` costs: the XXH3-128 of every file of a real checkpoint, per GB, against the size
+check and against the resume's own read of the checkpoint (`Checkpointer.load`, without and with its checksums in
+the same pass), in one process.
 
     uv run python benchmarks/checkpoint_verify.py              # a checkpoint of about 1 GB, median of 3
     uv run python benchmarks/checkpoint_verify.py --gb 4       # larger
@@ -8,7 +9,7 @@ the size check and against the resume's own read of the checkpoint (`Checkpointe
 It builds a Llama whose weights and AdamW moments (float32) come to about `--gb`, takes one optimizer step so that
 the moments exist, saves it with `Checkpointer.save` (which writes the manifest), then times, `--repeats` times in
 turn: `verify_checkpoint(..., "size")`, `verify_checkpoint(..., "full")` and a `continue` load into the same model
-and optimizer. The files were just written, so the page cache holds them ("warm"): the figures are the CPU cost.
+and optimizer, without and with `verify=True`. The files were just written, so the page cache holds them ("warm"): the figures are the CPU cost.
 As root, `--cold` also drops the page cache before each timing (then the disk's speed is in every figure).
 """
 
@@ -67,10 +68,12 @@ def main() -> None:
         checkpointer = Checkpointer(Path(tmp), cfg.checkpoint)
         path = checkpointer.save(1, model, optimizer, {"tokens_seen": 0, "data": {}}, cfg.to_json())
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e9
-        timings: dict[str, list[float]] = {"size check": [], "full check (CRC-32)": [], "resume load": []}
         work = {"size check": lambda: verify_checkpoint(path, "size"),
-                "full check (CRC-32)": lambda: verify_checkpoint(path, "full"),
-                "resume load": lambda: checkpointer.load(path, model, optimizer, "continue")}
+                "full check (XXH3-128)": lambda: verify_checkpoint(path, "full"),
+                "resume load": lambda: checkpointer.load(path, model, optimizer, "continue"),
+                "resume load, checksums in the pass": lambda: checkpointer.load(path, model, optimizer, "continue",
+                                                                               verify=True)}
+        timings: dict[str, list[float]] = {name: [] for name in work}
         for _ in range(args.repeats):
             for name, run in work.items():
                 if args.cold:
@@ -78,7 +81,7 @@ def main() -> None:
                 start = time.perf_counter()
                 result = run()
                 timings[name].append(time.perf_counter() - start)
-                if name != "resume load" and result:
+                if not name.startswith("resume load") and result:
                     raise RuntimeError(f"the fresh checkpoint fails its check: {result}")
     median = {k: statistics.median(v) for k, v in timings.items()}
     cache = "cold" if args.cold else "warm"

@@ -2,14 +2,15 @@
 no network), within a time budget. Run it through `scripts/gpu-check.sh`; docs/gpu-first-run.md says what to run
 first and how to read the report.
 
-    scripts/gpu-check.sh --prepare [--python-version 3.12]   # where the package index is: wheels for the GPU image
+    scripts/gpu-check.sh --prepare      # where the package index is: wheels for cp311 and cp312, the plan's peaks
     scripts/gpu-check.sh [--out DIR] [--stages a,b] [--budget SECONDS]
-    scripts/gpu-check.sh --dry-run                           # every stage's setup up to its first use of a GPU
+    scripts/gpu-check.sh --dry-run      # every stage's setup up to its first use of a GPU
 
 Stages run in the order of STAGES, the most informative first; each writes its result into DIR/gpu-check.json as
-soon as it ends (a check killed at its time limit still reports what it reached). A stage passes, fails with its
-reason, or is not run ("skip": needs more GPUs, or the budget is spent); only a pass counts as one. Without a
-usable GPU the check refuses (exit 2) rather than check the CPU.
+soon as it ends (a check killed at its time limit still reports what it reached), with its measured seconds. A
+stage passes, fails with its reason, or is not run ("skip": needs more GPUs, or the budget is spent); only a pass
+counts as one. The default budget keeps the whole check, its setup included, within one 10-minute device call.
+Without a usable GPU the check refuses (exit 2) rather than check the CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,17 +28,20 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_check_wheels import PLATFORMS, PYTHON_VERSIONS, WHEELS, expected_peak, install_wheels, prepare
+
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = "benchmarks/gpu_check_train.py"
 RESULT = "GPU_CHECK_RESULT"
 TORCH_FLOOR = (2, 10)
-WHEELS_LIMIT_MB = 60
-
-# What the check's code paths import beyond torch and torch's own requirements (pyproject's bounds), and pytest for
-# the CUDA tests; their own requirements come with them. pyarrow (55 MB) is left out: the stages read JSONL.
-# torchao (3 MB) serves the float8 stage.
-CHECK_REQUIREMENTS = ["pydantic>=2.7,<3", "numpy>=1.26", "zstandard>=0.22", "pyyaml>=6", "tqdm>=4.66", "pytest>=8",
-                      "torchao>=0.16"]
+DEVICE_CALL = 600
+"""Seconds of one call on a device machine, everything included: the default budget leaves the setup and a
+margin out of it."""
+SETUP_SECONDS = 45  # before the first stage: torch's import, the wheels' install, the data, the allocation probe
+DEFAULT_BUDGET = DEVICE_CALL - SETUP_SECONDS - 45
+INTERRUPT_GRACE = 10
+"""Seconds a stage has after SIGINT at its time limit to write what it has (pytest's report) before it is killed."""
+FIRST_ALLOCATION = "import torch; torch.ones(1, device='cuda').sum().item()"
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Stage:
     expect: dict = field(default_factory=dict)
     harness: str = HARNESS  # "train": the script that runs it and prints the RESULT line
     on_request: bool = False  # run only when --stages names it (beyond the default budget); the dry run sets it up
+    planned: bool = False  # its peak memory beside `maester plan`'s, planned at --prepare (gpu_check_wheels)
 
 
 def jsonl_source(name: str) -> str:
@@ -82,23 +88,24 @@ STAGES = [
                     "--checkpoint.interval=0", "--checkpoint.save_final=false", "--profiling.memory_snapshot=true",
                     "--profiling.memory_snapshot_max_entries=20000", "--profiling.start_step=3",
                     "--profiling.steps=1"],
-          estimate=148, timeout=360, expect={"predicted_peak_gib": [35, 42],
-                                             "predicted_by": "second GPU review, section 4 run 2"}),
+          estimate=140, timeout=360, planned=True),
     Stage("llama3-8b-width", "Llama 3 8B width (4 layers) at seq 8192: cuDNN/flash SDPA inside compiled selective AC; "
           "tokens/s and MFU at the real width", "train",
           ["configs/llama3/8b.toml", *FEW, jsonl_source("pydoc"), '--model.overrides={"n_layers": 4}',
            "--training.steps=6", "--logging.interval=6", "--training.global_batch_size=2",
            "--checkpoint.interval=0", "--checkpoint.save_final=false"],
-          estimate=84, timeout=300, expect={"predicted_peak_gib": [38, 42],
-                                            "predicted_by": "second GPU review, section 4 run 3"}),
-    Stage("olmoe-width", "OLMoE 1B-7B width (2 layers): torch._grouped_mm forward and backward under FSDP mixed "
-          "precision, full AC, z-loss", "train",
-          ["configs/olmoe/1b-7b.toml", *FEW, jsonl_source("pydoc"), "--parallel.ep=1",
-           '--model.overrides={"n_layers": 2, "moe": {"z_loss_coef": 0.001}}', "--training.steps=6",
-           "--logging.interval=6", "--training.global_batch_size=8", "--checkpoint.interval=0",
-           "--checkpoint.save_final=false"],
-          estimate=54, timeout=240, expect={"predicted_peak_gib": [25, 30],
-                                           "predicted_by": "second GPU review, section 4 run 4"}),
+          estimate=80, timeout=300, planned=True),
+    Stage("olmoe-width", "OLMoE 1B-7B width (2 layers): the experts under FSDP mixed precision, full AC, z-loss; "
+          "torch._grouped_mm forward and backward where the GPU has its grouped kernel (H100, B200), else the "
+          "experts' loop with its one host read per MoE layer and forward, allowed and said in the figures",
+          "train", ["configs/olmoe/1b-7b.toml", *FEW, jsonl_source("pydoc"), "--parallel.ep=1",
+                    '--model.overrides={"n_layers": 2, "moe": {"z_loss_coef": 0.001}}', "--training.steps=6",
+                    "--logging.interval=6", "--training.global_batch_size=8", "--checkpoint.interval=0",
+                    "--checkpoint.save_final=false"],
+          estimate=50, timeout=240, planned=True),
+    # Ahead of the three short modes: the only stage with the GPU kernels' tests, reached within the default budget.
+    Stage("cuda-tests", "every test marked cuda (kernels, routing, grouped GEMM, profiler, precision) passes",
+          "pytest", estimate=120, timeout=360),
     Stage("cpu-offload", "FSDP2 CPU offload: shards and optimizer on the host, buffers on the GPU, DCP checkpoints "
           "(the optimizer runs on the CPU, so its steps synchronise)", "train",
           [*MODES, "--parallel.cpu_offload=true"], estimate=30, timeout=150, expect={"allow_syncs": True}),
@@ -113,8 +120,6 @@ STAGES = [
            "--training.steps=6", "--logging.interval=6", "--training.global_batch_size=2",
            "--checkpoint.interval=0", "--checkpoint.save_final=false"],
           harness="benchmarks/float8_speedup.py", estimate=170, timeout=480, on_request=True),
-    Stage("cuda-tests", "every test marked cuda (kernels, routing, grouped GEMM, profiler, precision) passes",
-          "pytest", estimate=80, timeout=360),
     Stage("two-rank-fsdp", "NCCL between two GPUs: the demo on FSDP over 2 ranks", "torchrun",
           two_ranks(DEMO, "--parallel.dp_shard=2", "--training.micro_batch_size=8"), estimate=40, timeout=180, gpus=2),
     Stage("two-rank-tp", "tensor and sequence parallel with loss-parallel cross-entropy on NCCL", "torchrun",
@@ -127,103 +132,6 @@ STAGES = [
           "torchrun", two_ranks(MODES, "--model.name=olmoe", "--parallel.ep=2", "--parallel.dp_shard=2"),
           estimate=30, timeout=180, gpus=2),
 ]
-
-
-# --- preparing and installing the wheels ------------------------------------------------------------------------
-
-def wheel_dir(out: Path, python_version: str) -> Path:
-    return out / "wheels" / f"cp{python_version.replace('.', '')}"
-
-
-def prepare(out: Path, python_version: str, platforms: list[str]) -> int:
-    """Download the wheels the check needs beyond torch for `python_version` on `platforms` (a stock PyTorch image
-    has torch and its own requirements); refuse a folder over WHEELS_LIMIT_MB."""
-    target = wheel_dir(out, python_version)
-    if target.exists():
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--implementation", "cp",
-               "--python-version", python_version, "--dest", str(target),
-               *[a for p in platforms for a in ("--platform", p)], *CHECK_REQUIREMENTS]
-    print("$", " ".join(command), flush=True)
-    run = subprocess.run(command)
-    if run.returncode:
-        print(f"gpu-check --prepare: pip download failed (exit {run.returncode}); it needs the package index",
-              file=sys.stderr)
-        return 1
-    wheels = sorted(target.glob("*.whl"))
-    size = sum(w.stat().st_size for w in wheels) / 2**20
-    (target / "manifest.json").write_text(json.dumps(
-        {"python_version": python_version, "platforms": platforms, "requirements": CHECK_REQUIREMENTS,
-         "wheels": {w.name: w.stat().st_size for w in wheels}, "megabytes": round(size, 1)}, indent=2))
-    for w in wheels:
-        print(f"  {w.stat().st_size / 2**20:6.1f} MB  {w.name}")
-    print(f"{len(wheels)} wheels, {size:.1f} MB in {target}")
-    if size > WHEELS_LIMIT_MB:
-        print(f"gpu-check --prepare: {size:.1f} MB is over the {WHEELS_LIMIT_MB} MB limit", file=sys.stderr)
-        return 1
-    return 0
-
-
-def missing_wheels(wheels: list[Path]) -> list[Path]:
-    """The wheels whose distribution is not installed, or installed at a version that some prepared wheel's
-    requirements (or the check's own) refuse."""
-    from importlib import metadata
-    from zipfile import ZipFile
-
-    from pip._vendor.packaging.requirements import Requirement
-    from pip._vendor.packaging.utils import canonicalize_name
-    from pip._vendor.packaging.version import Version
-
-    specifiers: dict[str, list] = {}
-    for line in CHECK_REQUIREMENTS:
-        req = Requirement(line)
-        specifiers.setdefault(canonicalize_name(req.name), []).append(req.specifier)
-    for wheel in wheels:
-        with ZipFile(wheel) as z:
-            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-            for line in z.read(meta).decode().splitlines():
-                if line.startswith("Requires-Dist:"):
-                    req = Requirement(line.split(":", 1)[1].strip())
-                    if req.marker is None or req.marker.evaluate({"extra": ""}):
-                        specifiers.setdefault(canonicalize_name(req.name), []).append(req.specifier)
-    missing = []
-    for wheel in wheels:
-        name = canonicalize_name(wheel.name.split("-")[0])
-        try:
-            installed = Version(metadata.version(name))
-        except metadata.PackageNotFoundError:
-            missing.append(wheel)
-            continue
-        if not all(spec.contains(installed, prereleases=True) for spec in specifiers.get(name, [])):
-            missing.append(wheel)
-    return missing
-
-
-def install_wheels(out: Path) -> tuple[Path | None, str]:
-    """Install the prepared wheels this Python lacks into out/site-cpXY, offline; returns (site, what happened)."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    folder = wheel_dir(out, version)
-    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
-    if not wheels:
-        return None, f"no prepared wheels in {folder}"
-    site = out / f"site-cp{version.replace('.', '')}"
-    needed = missing_wheels(wheels)
-    stamp = site / "installed.json"
-    names = [w.name for w in needed]
-    if not needed:
-        return None, "every prepared distribution is installed already"
-    if stamp.is_file() and json.loads(stamp.read_text()) == names:
-        return site, f"installed earlier: {', '.join(names)}"
-    if site.exists():
-        shutil.rmtree(site)
-    run = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-                          "--no-compile", "--disable-pip-version-check", "--target", str(site), *map(str, needed)],
-                         capture_output=True, text=True)
-    if run.returncode:
-        raise SystemExit(f"gpu-check: installing the prepared wheels failed:\n{run.stdout}{run.stderr}")
-    stamp.write_text(json.dumps(names))
-    return site, f"installed offline: {', '.join(names)}"
 
 
 # --- running the stages -----------------------------------------------------------------------------------------
@@ -256,8 +164,7 @@ def command_of(stage: Stage, out: Path, dry_run: bool) -> list[str]:
                 *(stage.args or cuda_test_files())]
     args = stage_args(stage, out)
     if stage.kind == "train":
-        return [py, stage.harness, *args, *(["--allow-syncs"] if stage.expect.get("allow_syncs") else []),
-                *(["--plan"] if "predicted_peak_gib" in stage.expect else [])]  # maester plan's peak beside it
+        return [py, stage.harness, *args, *(["--allow-syncs"] if stage.expect.get("allow_syncs") else [])]
     return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args[0]}", "-m", "maester",
             "train", *args[1:]]
 
@@ -287,21 +194,45 @@ def dry_run_setups(stages: list[Stage], out: Path, env: dict) -> dict[str, dict]
     return results
 
 
-def run_stage(stage: Stage, out: Path, env: dict, timeout: float, dry_run: bool = False) -> dict:
-    command = command_of(stage, out, dry_run)
-    result = {"name": stage.name, "proves": stage.proves, "command": " ".join(command)}
-    start = time.monotonic()
+def run_command(command: list[str], env: dict, timeout: float) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run `command` in a session of its own; at `timeout`, SIGINT to its process group (pytest then writes the
+    report of the tests it ran), and SIGKILL INTERRUPT_GRACE seconds later. Returns the run and whether it timed
+    out."""
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-                             stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as e:
-        tail = ((e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"))[-3000:]
-        return {**result, "status": "fail", "reason": f"timed out after {timeout:.0f} s",
-                "seconds": round(time.monotonic() - start, 1), "output_tail": tail}
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            stdout, stderr = proc.communicate(timeout=INTERRUPT_GRACE)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), True
+
+
+def run_stage(stage: Stage, out: Path, env: dict, timeout: float, dry_run: bool = False,
+              wheels: Path = WHEELS) -> dict:
+    command = command_of(stage, out, dry_run)
+    result = {"name": stage.name, "proves": stage.proves, "command": " ".join(command),
+              "estimate_seconds": stage.estimate}
+    junit = out / f"{stage.name}.xml"
+    junit.unlink(missing_ok=True)
+    start = time.monotonic()
+    run, timed_out = run_command(command, env, timeout)
     output = run.stdout + run.stderr
     result.update(seconds=round(time.monotonic() - start, 1), returncode=run.returncode, output_tail=output[-3000:])
     if stage.kind == "pytest":
-        return {**result, **judge_pytest(out / f"{stage.name}.xml", run, dry_run)}
+        judged = judge_pytest(junit, run, dry_run)
+        if timed_out:  # what ran before the time limit, from the report pytest writes on SIGINT
+            ran = judged.get("figures", {}).get("tests", 0)
+            judged.update(status="fail", reason=f"timed out after {timeout:.0f} s, {ran} test(s) run by then; "
+                                                 f"{judged['reason'] or 'none of them failed'}")
+        return {**result, **judged}
+    if timed_out:
+        return {**result, "status": "fail", "reason": f"timed out after {timeout:.0f} s"}
     if stage.kind == "torchrun":
         ok = run.returncode == 0
         return {**result, "status": "pass" if ok else "fail",
@@ -312,21 +243,23 @@ def run_stage(stage: Stage, out: Path, env: dict, timeout: float, dry_run: bool 
                                                       f"{last_error(output)}"}
     verdict = json.loads(found[-1][len(RESULT):])
     figures = verdict.get("figures", {})
-    expect = {k: v for k, v in stage.expect.items() if k.startswith("predicted")}
-    if expect and "max_memory_allocated_gib" in figures:
-        low, high = expect["predicted_peak_gib"]
-        figures["peak_over_predicted"] = round(figures["max_memory_allocated_gib"] / ((low + high) / 2), 3)
+    if stage.planned:  # the calibration of `maester plan` on this GPU
+        figures.update(expected_peak(wheels, stage.name, stage.args))
+        if "planned_peak_gib" in figures and "max_memory_allocated_gib" in figures:
+            figures["peak_over_planned"] = round(figures["max_memory_allocated_gib"] / figures["planned_peak_gib"], 3)
     for snapshot in (out / "jobs" / stage.name).rglob("*.pickle"):  # our own run's memory snapshot, for memory_viz
         shutil.copy(snapshot, out / f"{stage.name}-memory-snapshot.pickle")
     status = "pass" if verdict["ok"] and run.returncode == 0 else "fail"
-    return {**result, "status": status, "reason": verdict.get("reason", ""), "figures": figures, **expect}
+    return {**result, "status": status, "reason": verdict.get("reason", ""), "figures": figures}
 
 
 def run_stages(stages: list[Stage], out: Path, env: dict, n_gpus: int, budget: float, report: dict,
-               report_path: Path, dry_run: bool = False) -> dict:
-    """Run (or, dry, set up) the stages in order, writing the report before and after each; a stage that needs
-    more GPUs than `n_gpus`, or more seconds than the budget has left, is not run and says why."""
+               report_path: Path, dry_run: bool = False, wheels: Path = WHEELS) -> dict:
+    """Run (or, dry, set up) the stages in order, writing the report before and after each, with each stage's
+    measured seconds in `stage_seconds`; a stage that needs more GPUs than `n_gpus`, or more seconds than the
+    budget has left, is not run and says why."""
     deadline = time.monotonic() + budget
+    report.setdefault("stage_seconds", {})
     setups = dry_run_setups(stages, out, env) if dry_run else {}
     for stage in stages:
         left = deadline - time.monotonic()
@@ -341,8 +274,10 @@ def run_stages(stages: list[Stage], out: Path, env: dict, n_gpus: int, budget: f
             report["stages"].append({"name": stage.name, "status": "running"})
             write_report(report_path, report)
             print(f"[{stage.name}] {'setting up' if dry_run else 'running'} ...", flush=True)
-            result = run_stage(stage, out, env, 600 if dry_run else min(stage.timeout, left), dry_run)
+            result = run_stage(stage, out, env, 600 if dry_run else min(stage.timeout, left), dry_run, wheels)
             report["stages"].pop()
+        if "seconds" in result:
+            report["stage_seconds"][stage.name] = result["seconds"]
         report["stages"].append(result)
         report["verdict"] = verdict_of(report["stages"], dry_run)
         write_report(report_path, report)  # after every stage: a killed check still reports what it reached
@@ -447,35 +382,71 @@ def write_report(path: Path, report: dict) -> None:
     os.replace(temp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def first_allocation_error(env: dict, code: str = FIRST_ALLOCATION) -> str | None:
+    """None when `code` (a first allocation on the GPU) runs in a fresh Python under `env`; else its error."""
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=300)
+    return None if run.returncode == 0 else last_error(run.stdout + run.stderr)
+
+
+def allocator_env(env: dict, code: str = FIRST_ALLOCATION) -> tuple[dict, str]:
+    """The stages' allocator setting: expandable segments (what maester and the harness set by default), unless
+    the first allocation fails under them (they need CUDA's virtual memory API, which some sandboxed GPUs lack),
+    then once more without; the caller's own PYTORCH_ALLOC_CONF is kept as it is. Returns the environment and what
+    was chosen; SystemExit when the GPU cannot allocate either way."""
+    if env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return env, f"the caller's: {env.get('PYTORCH_ALLOC_CONF') or env.get('PYTORCH_CUDA_ALLOC_CONF')}"
+    expandable = {**env, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    error = first_allocation_error(expandable, code)
+    if error is None:
+        return expandable, "expandable_segments:True"
+    plain = {**env, "PYTORCH_ALLOC_CONF": "expandable_segments:False"}
+    again = first_allocation_error(plain, code)
+    if again is not None:
+        raise SystemExit(f"gpu-check: the first allocation on the GPU fails with expandable segments ({error}) and "
+                         f"without ({again}): nothing was checked")
+    return plain, (f"expandable_segments:False: the first allocation failed under expandable_segments:True "
+                   f"({error}); every stage runs without them")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "gpu-check",
-                        help="the report, the jobs, the prepared wheels (default: gpu-check/)")
-    parser.add_argument("--prepare", action="store_true", help="download the wheels the GPU image lacks (needs the "
-                                                               "package index, not a GPU)")
-    parser.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
-                        help="--prepare: the GPU image's Python (default: this one's)")
+                        help="the report, the jobs and their data (default: gpu-check/)")
+    parser.add_argument("--wheels", type=Path, default=WHEELS,
+                        help="the prepared wheels and the plan's peaks, whatever --out is (default: gpu-check/wheels; "
+                             "what they lack is installed beside it, into site-cpXY)")
+    parser.add_argument("--prepare", action="store_true", help="download the wheels the GPU image lacks and plan the "
+                                                               "memory stages' peaks (needs the package index and the "
+                                                               "project's environment, not a GPU)")
+    parser.add_argument("--python-version", action="append",
+                        help=f"--prepare: the GPU images' Pythons (default: {', '.join(PYTHON_VERSIONS)})")
     parser.add_argument("--platform", action="append",
                         help="--prepare: pip platform tags (default: manylinux x86_64)")
     parser.add_argument("--dry-run", action="store_true", help="each stage's setup up to its first use of a GPU")
     parser.add_argument("--stages", help=f"comma-separated stages to run (default all but those run on request, "
                                          f"{', '.join(s.name for s in STAGES if s.on_request)}: "
                                          f"{', '.join(s.name for s in STAGES if not s.on_request)})")
-    parser.add_argument("--budget", type=float, default=450,
-                        help="seconds for all stages; a stage starts only with its estimate left (default 450)")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
+                        help=f"seconds for all stages; a stage starts only with its estimate left (default "
+                             f"{DEFAULT_BUDGET}: with the setup, within one {DEVICE_CALL}-second device call)")
     args = parser.parse_args(argv)
-    out = args.out.resolve()
-
-    if args.prepare:
-        return prepare(out, args.python_version, args.platform or [
-            "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"])
-    chosen = [s for s in STAGES if args.dry_run or not s.on_request]
+    args.chosen = [s for s in STAGES if args.dry_run or not s.on_request]
     if args.stages:
         names = [n.strip() for n in args.stages.split(",") if n.strip()]
         unknown = [n for n in names if n not in {s.name for s in STAGES}]
         if unknown:
             parser.error(f"unknown stage(s) {', '.join(unknown)}: choose from {', '.join(s.name for s in STAGES)}")
-        chosen = [s for s in STAGES if s.name in names]
+        args.chosen = [s for s in STAGES if s.name in names]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out, wheels = args.out.resolve(), args.wheels.resolve()
+    if args.prepare:
+        planned = [{"name": s.name, "args": s.args} for s in STAGES if s.planned]
+        return prepare(wheels, args.python_version or PYTHON_VERSIONS, args.platform or PLATFORMS, planned)
     problem = torch_version_problem()
     if problem:
         print(f"gpu-check: {problem}", file=sys.stderr)
@@ -490,24 +461,34 @@ def main(argv: list[str] | None = None) -> int:
               f"the CPU. (--dry-run sets every stage up without a GPU.)", file=sys.stderr)
         return 2
 
+    start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
-    site, installed = install_wheels(out)
+    site, installed = install_wheels(wheels)
     env = child_env(site)
+    allocator = "not probed (dry run)"
+    if not args.dry_run:
+        env, allocator = allocator_env(env)
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     report = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dry_run": args.dry_run,
-              "environment": environment(), "wheels": installed, "budget_seconds": args.budget, "stages": []}
+              "environment": environment(), "wheels": installed, "allocator": allocator,
+              "budget_seconds": args.budget, "stages": []}
     report_path = out / ("gpu-check-dry-run.json" if args.dry_run else "gpu-check.json")
-    print(json.dumps(report["environment"]), f"\nwheels: {installed}", flush=True)
+    print(json.dumps(report["environment"]), f"\nwheels: {installed}\nallocator: {allocator}", flush=True)
     data = subprocess.run([sys.executable, HARNESS, "--write-data", str(out / "data")], cwd=REPO, env=env,
                           capture_output=True, text=True)
     if data.returncode:
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
         print(f"gpu-check: maester does not import with {sys.executable} ({last_error(data.stderr)}); wheels: "
-              f"{installed}. Run `scripts/gpu-check.sh --prepare --python-version {sys.version_info.major}."
-              f"{sys.version_info.minor}` where the package index is, and bring {out / 'wheels'} along.",
+              f"{installed}. Run `scripts/gpu-check.sh --prepare` (it prepares Python {', '.join(PYTHON_VERSIONS)}; "
+              f"`--python-version {version}` for this one) where the package index is, and bring {wheels} along.",
               file=sys.stderr)
         return 1
-    run_stages(chosen, out, env, n_gpus, args.budget, report, report_path, args.dry_run)
-    print(f"verdict: {report['verdict']}\nreport: {report_path}")
+    report["setup_seconds"] = round(time.monotonic() - start, 1)
+    run_stages(args.chosen, out, env, n_gpus, args.budget, report, report_path, args.dry_run, wheels)
+    report["total_seconds"] = round(time.monotonic() - start, 1)
+    write_report(report_path, report)
+    print(f"verdict: {report['verdict']}\nseconds: {report['total_seconds']} (setup {report['setup_seconds']}, "
+          f"stages {json.dumps(report['stage_seconds'])})\nreport: {report_path}")
     return 1 if any(s["status"] == "fail" for s in report["stages"]) else 0
 
 

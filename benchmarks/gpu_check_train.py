@@ -6,11 +6,15 @@ multi-GPU jobs (DeviceMesh on CUDA, FSDP2 mixed precision, DTensor initialisatio
                                          [--inject-host-read]
     python benchmarks/gpu_check_train.py --write-data DIR   # the stages' corpora as JSONL (no pyarrow needed)
     python benchmarks/gpu_check_train.py --dry-run-stages FILE  # the dry run of each [{name, args, world}] in FILE
+    python benchmarks/gpu_check_train.py --plan-stages FILE     # maester plan's peak of each [{name, args}] in FILE
 
 It counts synchronisations by training step: on CUDA the warnings of `torch.cuda.set_sync_debug_mode("warn")`,
 on the CPU the host reads of tensors (`item`, `tolist`, `cpu`, ...: what waits for a GPU), as
 tests/train/test_host_reads.py does. Logging and checkpoint steps read on purpose; any synchronisation on another
-step after the first fails the stage, unless `--allow-syncs` (the optimizer of `cpu_offload` runs on the host).
+step after the first fails the stage, unless `--allow-syncs` (the optimizer of `cpu_offload` runs on the host). A
+mixture of experts on a device without the grouped-GEMM fast path (A100, MI250X, MI300X without torch's CK path, the
+CPU) reads its group sizes on the host by design, once per MoE layer and forward (docs/moe.md): those reads are
+allowed, counted apart, and said in the figures.
 It prints one line `GPU_CHECK_RESULT {json}` with the figures and exits 1 when the stage fails.
 
 `--dry-run` does everything up to the first use of the device: the config and its layout, the tokenizer, the
@@ -31,6 +35,8 @@ import warnings
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
 
 RESULT = "GPU_CHECK_RESULT"
+PEAKS = "GPU_CHECK_PEAKS"
+MOE_READ_SITE = os.path.join("models", "moe.py")
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 
@@ -40,7 +46,9 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["--dry-run-stages"]:
         return dry_run_stages(argv[1])
-    flags = {a for a in argv if a in ("--dry-run", "--inject-host-read", "--allow-syncs", "--plan")}
+    if argv[:1] == ["--plan-stages"]:
+        return plan_stages(argv[1])
+    flags = {a for a in argv if a in ("--dry-run", "--inject-host-read", "--allow-syncs")}
     world = [int(a.split("=", 1)[1]) for a in argv if a.startswith("--world-size=")]
     argv = [a for a in argv if a not in flags and not a.startswith("--world-size=")]
     import torch
@@ -50,21 +58,26 @@ def main(argv: list[str]) -> int:
     cfg = load_config(argv[0], argv[1:], environ={})
     if "--dry-run" in flags:
         return report(dry_run(cfg, world[0] if world else 1))
-    planned = planned_peak(cfg) if "--plan" in flags else None  # before the trainer's process group is up
     return report(train(cfg, inject="--inject-host-read" in flags, allow_syncs="--allow-syncs" in flags,
-                        torch=torch, planned=planned))
+                        torch=torch))
 
 
-def planned_peak(cfg) -> dict:
-    """`maester plan`'s per-rank peak of the stage (fake tensors in a fake process group, on the CPU), to set beside
-    torch.cuda.max_memory_allocated; or why this torch cannot plan it."""
+def plan_stages(path: str) -> int:
+    """`maester plan`'s per-rank peak of each stage in FILE on one GPU (fake tensors in a fake process group, on the
+    CPU; torch >= 2.15), in one line `GPU_CHECK_PEAKS {"torch": ..., "stages": {name: {args, planned_peak_gib}}}`:
+    what the check sets beside torch.cuda.max_memory_allocated (`--prepare` runs it)."""
+    import torch
+
+    from maester.config import load_config
     from maester.plan.make import predicted_peak_gib
-    from maester.plan.memory import PlanUnsupported
 
-    try:
-        return {"planned_peak_gib": round(predicted_peak_gib(cfg, 1), 3)}
-    except PlanUnsupported as e:
-        return {"plan_not_made": str(e)}
+    stages = {}
+    for stage in json.loads(open(path).read()):
+        args = [a.replace("{data}", "data") for a in stage["args"]]
+        cfg = load_config(args[0], args[1:], environ={})
+        stages[stage["name"]] = {"args": stage["args"], "planned_peak_gib": round(predicted_peak_gib(cfg, 1), 3)}
+    print(PEAKS, json.dumps({"torch": torch.__version__, "stages": stages}), flush=True)
+    return 0
 
 
 def report(result: dict) -> int:
@@ -130,7 +143,7 @@ def dry_run(cfg, world_size: int) -> dict:
             "micro_batches": len(batches), "tokens_per_micro_batch": int(batches[0].num_tokens)}
 
 
-def train(cfg, inject: bool, allow_syncs: bool, torch, planned: dict | None = None) -> dict:
+def train(cfg, inject: bool, allow_syncs: bool, torch) -> dict:
     import torch.distributed as dist
 
     from maester.train.trainer import Trainer
@@ -153,7 +166,7 @@ def train(cfg, inject: bool, allow_syncs: bool, torch, planned: dict | None = No
 
         trainer._forward_backward = reading
     syncs: collections.Counter = collections.Counter()
-    where: dict[int, set] = collections.defaultdict(set)
+    where: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with count_syncs(trainer, syncs, where, cuda, torch):
@@ -162,6 +175,7 @@ def train(cfg, inject: bool, allow_syncs: bool, torch, planned: dict | None = No
         train_seconds = time.monotonic() - t0
     total, interval = cfg.training.steps, cfg.checkpoint.interval
     reading_steps = {1, total} | ({s for s in range(interval, total + 1, interval)} if interval else set())
+    moe_reads = expert_loop_reads(trainer, syncs, where, reading_steps)
     unexpected = {s: n for s, n in sorted(syncs.items()) if s not in reading_steps and s > 0}
     last = last_metrics(cfg.job_dir)
     figures = {
@@ -177,9 +191,7 @@ def train(cfg, inject: bool, allow_syncs: bool, torch, planned: dict | None = No
     if cuda:
         figures["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         figures["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-    figures.update(planned or {})
-    if cuda and (planned or {}).get("planned_peak_gib"):  # the calibration of `maester plan` on this GPU
-        figures["peak_over_planned"] = round(torch.cuda.max_memory_allocated() / 2**30 / planned["planned_peak_gib"], 3)
+    figures.update(moe_reads)
     problems = []
     if unexpected and not allow_syncs:
         first = min(unexpected)
@@ -191,6 +203,32 @@ def train(cfg, inject: bool, allow_syncs: bool, torch, planned: dict | None = No
         problems.append(f"the model is {figures['model_type']}, not FSDP-wrapped")
     dist.destroy_process_group()
     return {"ok": not problems, "reason": "; ".join(problems), "figures": figures}
+
+
+def expert_loop_reads(trainer, syncs, where, reading_steps: set) -> dict:
+    """Where the experts run as a loop (no grouped-GEMM fast path on this device: `moe.grouped_mm_supported`), the
+    loop's documented host reads of the group sizes, at most one per MoE layer and forward (activation
+    checkpointing runs a forward again) of each micro-batch: taken out of `syncs` on the steps between logging
+    steps, and described for the figures. {} for a dense model or the fast path."""
+    from maester.models.moe import _fast_path_on, moe_layers
+
+    layers = len(moe_layers(trainer.model))
+    if not layers or (trainer.device.type == "cuda" and _fast_path_on(trainer.device)):
+        return {}
+    micro_batches = trainer.loader.batch.accumulation_steps
+    bound = 2 * layers * micro_batches
+    per_step = {}
+    for step in [s for s in syncs if s not in reading_steps and s > 0]:
+        reads = min(sum(n for site, n in where[step].items() if MOE_READ_SITE in site), bound)
+        per_step[step] = reads
+        syncs[step] -= reads
+        if not syncs[step]:
+            del syncs[step]
+    return {"expert_loop": f"no grouped-GEMM fast path on {trainer.device.type}: the experts run as a loop that "
+                           f"reads its group sizes on the host, once per MoE layer and forward (docs/moe.md); up to "
+                           f"{bound} such reads a step allowed ({layers} MoE layers x {micro_batches} micro-batches "
+                           f"x 2 with recomputation)",
+            "expert_loop_reads_by_step": {str(s): n for s, n in sorted(per_step.items())}}
 
 
 class count_syncs:
@@ -241,7 +279,7 @@ class count_syncs:
 
     def _count(self, site: str) -> None:
         self.syncs[self.trainer.step] += 1
-        self.where[self.trainer.step].add(site)
+        self.where[self.trainer.step][site] += 1
 
     def __exit__(self, *exc):
         for undo in reversed(self.restore):

@@ -11,13 +11,14 @@ tokenizer, logs every step, and reports the median over the steps after the warm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from maester.train.metrics_file import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +60,7 @@ def main() -> None:
         subprocess.run([*launch, "train", str(REPO / "configs" / "demo.toml"), *overrides(args, f"{tmp}/jobs")],
                        env=env, check=True, stdout=subprocess.DEVNULL)
         job = next((Path(tmp) / "jobs").iterdir())
-        records = [json.loads(line) for line in open(job / "metrics.jsonl")]
+        records = read_metrics(job / "metrics.jsonl")  # the step rows
     skip = 1 if args.smoke else args.warmup_steps
     steady = records[skip:] or records
     tps = statistics.median(r["tokens_per_second"] for r in steady)

@@ -2,8 +2,9 @@
 # GPU check: a verdict on a GPU machine within a time budget, also on a bare one (its own python3 and torch, no uv,
 # no network). docs/gpu-first-run.md says what to run and how to read the report (gpu-check/gpu-check.json).
 #
-#   scripts/gpu-check.sh --prepare [--python-version 3.12]   where the package index is: the wheels the GPU
-#                                                            image lacks, into gpu-check/wheels/ (under 60 MB)
+#   PYTHON=python3 scripts/gpu-check.sh --prepare      where the package index is (a Python with pip): the wheels
+#                                                      the GPU image lacks, for Python 3.11 and 3.12, and the plan's
+#                                                      peaks of the memory stages, into gpu-check/wheels/ (28 MB)
 #   scripts/gpu-check.sh [--out DIR] [--stages a,b] [--budget SECONDS] [--dry-run]
 #
 # Python: $PYTHON, else the python3 on PATH (with uv: `uv run --no-sync scripts/gpu-check.sh`, which never

@@ -1,6 +1,12 @@
+import os
+
 import pytest
 
 from tests.helpers import write_corpus
+
+# Every metrics.jsonl row and events.jsonl line the suite writes is checked against the documented schema
+# (maester.train.metrics_file), in this process and in the runs it starts.
+os.environ["_MAESTER_CHECK_RECORDS"] = "1"
 
 
 @pytest.fixture

@@ -109,16 +109,18 @@ def job_from_checkpoints(root: Path, corpus: Path, checkpoints: Path | None, nam
 
 
 def rewrite_manifest(checkpoint: Path) -> None:
-    """Make a checkpoint's manifest.json list its files' current sizes and CRC-32s, as someone who edits a
+    """Make a checkpoint's manifest.json list its files' current sizes and checksums, as someone who edits a
     checkpoint can: what is tested behind it is then reached past the manifest check."""
     import json
 
+    from maester.train.checkpoint_digests import MANIFEST_FORMAT
     from maester.train.checkpoint_files import MANIFEST, describe_files
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     names = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*")
                    if p.is_file() and p.name != MANIFEST)
     manifest["files"] = describe_files(checkpoint, names)
+    manifest["format"] = MANIFEST_FORMAT  # the entries are XXH3-128s, whatever the manifest held before
     (checkpoint / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 

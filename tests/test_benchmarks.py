@@ -77,15 +77,23 @@ def test_hot_path_profile():
 
 def test_checkpoint_io_smoke(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_io.py"), "--smoke", "--dir",
-                          str(tmp_path)], env=clean_env(), capture_output=True, text=True, timeout=300)
+                          str(tmp_path)], env=clean_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    tables = out.stdout.split("\n\n")
+    rows = [line.split("|") for line in tables[1].splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[1].strip() for r in rows[1:]] == [
-        "raw write, 64 MiB blocks + fsync", "save, off: loop blocked (= the whole save)",
-        "save, async: background write", "raw read, cold cache",
-        "load at resume (manifest check + DCP load), cold cache"]
-    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows[1:])
+        "raw write, 64 MiB blocks + fsync", "save, off: loop blocked (= the whole save)", "save, off, 2 write threads",
+        "save, async: background write", "memory copy of the state, touched buffers", "raw read, cold cache",
+        "load at resume, full verification, cold cache", "load, page cache warm, no checksums",
+        "load, page cache warm, full verification", "full check alone (verify_checkpoint), warm"]
+    ranks = [line.split("|") for line in tables[3].splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[1].strip() for r in ranks[1:]] == ["2"]
     figures = json.loads(out.stdout.split("JSON ", 1)[1])
     assert figures["bytes"] > 1e6 and len(figures["async_blocked_seconds"]) == 1
     assert figures["blocked_ratio"] > 0 and figures["sync_profile"]["torch.save"] > 0
+    assert figures["verify_seconds_per_gb"] > 0 and figures["load_vs_raw_read"] > 0  # the table rounds to 1 ms
+    assert all(figures[k] > 0 for k in ("load", "load_warm_unverified", "load_warm_verified", "verify_warm"))
+    assert min(figures["memory_copy_seconds"] + figures["threads_blocked_seconds"] + figures["raw_write_seconds"]) > 0
+    per_rank = figures["per_rank"]["2"]
+    assert sorted(per_rank) == ["0", "1"] and all(r["hashed_bytes"] >= r["shard_bytes"] for r in per_rank.values())
     assert list(tmp_path.iterdir()) == []  # its temporary directory is gone

@@ -28,6 +28,10 @@ How a block is marked: one HTML comment per line, right above its opening fence 
     <!-- docs-test: skip slow: REASON -->     minutes of work even when tiny; REASON names the test that runs it
 
 A block with a command that cannot run as written here fails until it is marked, so new docs stay runnable.
+
+The tests at the end hold the pages together: every relative link of README.md and docs/*.md reaches a file and, into
+a Markdown file, a heading (by GitHub's anchor rules), every docs/*.md page is reachable from README.md, and README.md
+stays a landing page (at most 250 lines, a Quick start of exactly its two commands).
 """
 
 from __future__ import annotations
@@ -370,3 +374,129 @@ def test_doc_block_runs_as_written(block: Block, docs_session, tmp_path, monkeyp
         root.mkdir()
         (root / "configs").symlink_to(REPO / "configs")
     BlockRunner(docs_session, monkeypatch).run(block, root)
+
+
+# ---------------------------------------------------------------- links between the pages; the README's shape
+
+MAX_README_LINES = 250
+QUICK_START = ["uv run maester train configs/demo.toml", "uv run pytest"]
+LINK = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+CODE_SPAN = re.compile(r"(`+)(?:(?!\n[ \t]*\n).)+?\1", re.DOTALL)  # within a paragraph, across its lines
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def prose(path: Path) -> str:
+    """A Markdown file's text with the lines of its fenced blocks emptied (so line numbers stay)."""
+    lines, fence = [], False
+    for line in path.read_text().splitlines():
+        inside = fence or bool(FENCE.match(line))
+        fence = fence != bool(FENCE.match(line))
+        lines.append("" if inside else line)
+    return "\n".join(lines)
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: its text lower-cased, punctuation dropped, each space a '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()
+    return "".join(c for c in text if c.isalnum() or c in "-_ ").replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings; a repeated one gets -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose(path).splitlines():
+        if match := HEADING.match(line):
+            anchor = github_anchor(match[2])
+            out.add(f"{anchor}-{seen[anchor]}" if anchor in seen else anchor)
+            seen[anchor] = seen.get(anchor, 0) + 1
+    return out
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    """The relative link targets of a Markdown file's prose (images included), with their lines."""
+    text = CODE_SPAN.sub(lambda m: "code" + "\n" * m[0].count("\n"), prose(path))
+    return [(text.count("\n", 0, m.start()) + 1, m[1]) for m in LINK.finditer(text)
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", m[1])]  # https:, mailto:, ...
+
+
+def link_problems(pages: list[Path], root: Path) -> list[str]:
+    """Each relative link of `pages` to a file that is missing, or to a heading its Markdown file does not have."""
+    problems = []
+    for page in pages:
+        for number, target in links(page):
+            name, _, anchor = target.partition("#")
+            path = (page.parent / name).resolve() if name else page
+            where = f"{page.relative_to(root)}:{number}: {target}"
+            if not path.is_relative_to(root.resolve()) or not path.exists():
+                problems.append(f"{where}: no such file")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+                problems.append(f"{where}: no heading with that anchor in {path.relative_to(root.resolve())}")
+    return problems
+
+
+def unreachable_pages(root: Path) -> list[str]:
+    """The docs/*.md pages that no chain of links from README.md reaches."""
+    seen, todo = {(root / "README.md").resolve()}, [(root / "README.md").resolve()]
+    while todo:
+        page = todo.pop()
+        for _, target in links(page):
+            path = (page.parent / target.partition("#")[0]).resolve()
+            if path.suffix == ".md" and path.is_file() and path not in seen:
+                seen.add(path)
+                todo.append(path)
+    return [str(p.relative_to(root)) for p in sorted((root / "docs").glob("*.md")) if p.resolve() not in seen]
+
+
+def landing_page_problems(readme: Path) -> list[str]:
+    """What keeps README.md from being a landing page: its length, and a Quick start of other than the two commands."""
+    lines = readme.read_text().splitlines()
+    problems = [f"{readme.name}: {len(lines)} lines, more than {MAX_README_LINES}"] * (len(lines) > MAX_README_LINES)
+    start = next((i for i, line in enumerate(lines) if line.strip() == "## Quick start"), None)
+    if start is None:
+        return [*problems, f"{readme.name}: no '## Quick start' section"]
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    outside = prose(readme).splitlines()
+    commands = [line.strip() for line, text in zip(lines[start:end], outside[start:end])
+                if not text and not FENCE.match(line) and line.strip() and not line.strip().startswith("#")]
+    if commands != QUICK_START:
+        problems.append(f"{readme.name}: the Quick start's commands are {commands}, not {QUICK_START}")
+    return problems
+
+
+def test_every_link_between_the_pages_resolves():
+    assert link_problems(DOCS, REPO) == []
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    assert unreachable_pages(REPO) == []
+
+
+def test_the_readme_is_a_landing_page_with_a_two_command_quick_start():
+    assert landing_page_problems(REPO / "README.md") == []
+
+
+def test_broken_links_unreachable_pages_and_a_long_readme_are_found(tmp_path):
+    """The checks above on pages made to fail them, and GitHub's anchor rules on headings like ours."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# x\n\n## Quick start\n\n```bash\nuv run maester train configs/demo.toml\n"
+                                        "uv run pytest\nuv run maester report jobs/demo\n```\n\n"
+                                        "[a](docs/a.md#the-tokenizer---tokenizer-spec) [b](docs/a.md#μp-1) "
+                                        "[c](docs/a.md#nope) [d](docs/gone.md) [e](#quick-start) [f](#x-1)\n"
+                                        "`[not a link](docs/gone.md)` [web](https://example.com/#nope)\n"
+                                        "`a span\nover lines` [g](#nope-2) `[hidden](docs/gone.md)\nacross lines`\n"
+                                        + "\n" * MAX_README_LINES)
+    (tmp_path / "docs" / "a.md").write_text("# A\n## The tokenizer: `--tokenizer SPEC`\n## μP\n### μP\n"
+                                            "```\n# not a heading\n```\n[back](../README.md#quick-start)\n")
+    (tmp_path / "docs" / "b.md").write_text("# B, linked from nowhere\n[bad](a.md#not-a-heading)\n")
+    assert link_problems([tmp_path / "README.md", *sorted((tmp_path / "docs").glob("*.md"))], tmp_path) == [
+        "README.md:11: docs/a.md#nope: no heading with that anchor in docs/a.md",
+        "README.md:11: docs/gone.md: no such file",
+        "README.md:11: #x-1: no heading with that anchor in README.md",
+        "README.md:14: #nope-2: no heading with that anchor in README.md",
+        "docs/b.md:2: a.md#not-a-heading: no heading with that anchor in docs/a.md"]
+    assert unreachable_pages(tmp_path) == ["docs/b.md"]
+    assert landing_page_problems(tmp_path / "README.md") == [
+        f"README.md: {15 + MAX_README_LINES} lines, more than {MAX_README_LINES}",
+        f"README.md: the Quick start's commands are {QUICK_START + ['uv run maester report jobs/demo']}, "
+        f"not {QUICK_START}"]

@@ -93,7 +93,7 @@ CASES = {
         "is a directory"),
     "X4 metrics line without a step": (
         lambda r, t: ["report", str(job_copy(r, t, lambda s: open(s.parent.parent / "metrics.jsonl", "a").write(
-            '{"loss": 1.0}\n')))], "metrics.jsonl:4: not a metrics record"),
+            '{"loss": 1.0}\n')))], "metrics.jsonl:3: not a metrics record"),
     "X6 prompts file a directory": (
         lambda r, t: ["generate", str(r / "jobs" / "job"), "--prompts-file", str(t)], "is a directory, not a file"),
     "data: a record without the text field": (

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_ENV = REPO / ".venv-torch210"  # .ci/run makes it: PyPI's torch 2.10.0, the floor
-WHEELS = REPO / "gpu-check" / "wheels" / f"cp{sys.version_info.major}{sys.version_info.minor}"  # .ci/run prepares
+PREPARED = REPO / "gpu-check" / "wheels"  # .ci/run prepares it: cp311 and cp312, and the plan's peaks
+WHEELS = PREPARED / f"cp{sys.version_info.major}{sys.version_info.minor}"
 REQUIRED = os.environ.get("_MAESTER_REQUIRE_GPU_CHECK_ENV") == "1"  # CI: fail, not skip, when either is missing
 
 
@@ -48,13 +49,13 @@ def test_without_a_gpu_the_check_refuses_and_writes_nothing(tmp_path):
 
 
 def bare_python(root: Path) -> Path:
-    """A virtual environment whose only packages beyond pip are torch and what torch itself requires, linked from
-    the torch-2.10 environment: what a stock PyTorch image has at the least."""
+    """A virtual environment whose only packages beyond pip are torch, what torch itself requires and numpy, linked
+    from the torch-2.10 environment: what a stock PyTorch image has at the least."""
     source = TORCH_ENV / "bin" / "python"
     listing = subprocess.run([str(source), "-c", """
 import json, re
 from importlib import metadata
-seen, todo, tops = set(), ["torch"], set()
+seen, todo, tops = set(), ["torch", "numpy"], set()
 while todo:
     name = todo.pop()
     if name in seen:
@@ -89,8 +90,12 @@ def test_dry_run_on_a_bare_python_with_the_prepared_wheels_and_no_package_index(
         message = (f"needs {', '.join(missing)}: .ci/run makes the torch-2.10 environment and runs "
                    f"`scripts/gpu-check.sh --prepare`")
         pytest.fail(message) if REQUIRED else pytest.skip(message)
-    manifest = json.loads((WHEELS / "manifest.json").read_text())
-    assert manifest["megabytes"] < 60 and sum(manifest["wheels"].values()) / 2**20 < 60
+    manifests = [json.loads((PREPARED / f"cp{v}" / "manifest.json").read_text()) for v in ("311", "312")]
+    assert sum(sum(m["wheels"].values()) for m in manifests) / 2**20 < 60  # both sets: what a device call carries
+    assert not any(w.startswith("numpy-") for m in manifests for w in m["wheels"])  # every torch image has it
+    peaks = json.loads((PREPARED / "expected-peaks.json").read_text())["stages"]
+    planned = {"gemma3-1b-sft": 33.5, "llama3-8b-width": 37.5, "olmoe-width": 23.3}  # the third GPU review's A8
+    assert {name: round(peaks[name]["planned_peak_gib"], 1) for name in peaks} == planned, peaks
     python = bare_python(tmp_path / "bare")
     no_index = dict(PYTHON=str(python), PIP_NO_INDEX="1", PIP_INDEX_URL="http://127.0.0.1:9/simple",
                     PYTHONPATH="", HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
@@ -98,20 +103,23 @@ def test_dry_run_on_a_bare_python_with_the_prepared_wheels_and_no_package_index(
                  "ImportError:\n print('no pydantic')"], **no_index)
     assert probe.stdout.split()[0].startswith(("2.10.", "2.11.")) and "no pydantic" in probe.stdout, probe
 
-    without = run(["bash", "scripts/gpu-check.sh", "--dry-run", "--out", str(tmp_path / "no-wheels")], **no_index)
+    without = run(["bash", "scripts/gpu-check.sh", "--dry-run", "--out", str(tmp_path / "no-wheels"), "--wheels",
+                   str(tmp_path / "no-wheels" / "wheels")], **no_index)
     assert without.returncode == 1 and "No module named 'pydantic'" in without.stderr
-    assert "scripts/gpu-check.sh --prepare --python-version 3.11" in without.stderr, without.stderr[-2000:]
+    assert "scripts/gpu-check.sh --prepare" in without.stderr and "--python-version 3.11" in without.stderr, \
+        without.stderr[-2000:]
 
-    out = tmp_path / "out"
-    shutil.copytree(WHEELS, out / "wheels" / WHEELS.name)
-    result = run(["bash", "scripts/gpu-check.sh", "--dry-run", "--out", str(out)], timeout=900, **no_index)
+    out, wheels = tmp_path / "out", tmp_path / "carried" / "wheels"  # the wheels stay where they were brought
+    shutil.copytree(WHEELS, wheels / WHEELS.name)
+    result = run(["bash", "scripts/gpu-check.sh", "--dry-run", "--out", str(out), "--wheels", str(wheels)],
+                 timeout=900, **no_index)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "gpu-check-dry-run.json").read_text())
     gpu_check = benchmark("gpu_check")
     assert [s["name"] for s in report["stages"]] == [s.name for s in gpu_check.STAGES]
     assert all(s["status"] == "pass" for s in report["stages"]), report["stages"]
     assert report["environment"]["torch"].startswith(("2.10.", "2.11.")) and not report["environment"]["cuda_available"]
-    installed = json.loads((out / f"site-{WHEELS.name}" / "installed.json").read_text())
+    installed = json.loads((wheels.parent / f"site-{WHEELS.name}" / "installed.json").read_text())
     assert any(w.startswith("pydantic-") for w in installed) and any(w.startswith("zstandard-") for w in installed)
     by_name = {s["name"]: s for s in report["stages"]}
     assert by_name["cuda-tests"]["figures"]["collected"] >= 10
@@ -135,20 +143,45 @@ def tiny_stage(tmp_path, name: str, *extra: str) -> list[str]:
 
 
 def test_the_sync_stage_passes_a_clean_step_and_fails_a_host_read_between_logging_steps(tmp_path, harness):
+    """A mixture of experts without the grouped-GEMM fast path (the CPU here; A100, MI250X on GPUs) passes: the
+    experts' loop reads its group sizes on the host once per MoE layer and forward, by design, and the figures say
+    so; any other read between logging steps fails the stage."""
     from maester.config import load_config
 
-    clean = harness.train(load_config(None, tiny_stage(tmp_path, "clean"), environ={}), inject=False,
-                          allow_syncs=False, torch=torch)
+    moe = tiny_stage(tmp_path, "clean", "--model.name=olmoe", "--training.steps=3", "--logging.interval=3",
+                     "--training.global_batch_size=2")
+    clean = harness.train(load_config(None, moe, environ={}), inject=False, allow_syncs=False, torch=torch)
     assert clean["ok"], clean["reason"]
     figures = clean["figures"]
     assert figures["model_type"] == "FSDPTransformer" and figures["parameter_type"] == "DTensor"
-    assert figures["syncs_per_step"] == 0 and int(figures["syncs_by_step"]["4"]) > 0  # it counts, on step 4
+    assert figures["syncs_per_step"] == 0 and int(figures["syncs_by_step"]["3"]) > 0  # it counts, on step 3
+    # 2 MoE layers x 1 micro-batch, no recomputation: 2 reads on step 2, the one between the logging steps
+    assert figures["expert_loop_reads_by_step"] == {"2": 2}, figures
+    assert "no grouped-GEMM fast path on cpu" in figures["expert_loop"]
     injected = harness.train(load_config(None, tiny_stage(tmp_path, "injected"), environ={}), inject=True,
                              allow_syncs=False, torch=torch)
     assert not injected["ok"]
     assert "synchronisations on steps that do not log or save: {2: 1, 3: 1}" in injected["reason"]
     assert "train/trainer.py" in injected["reason"]  # where the read happened
     assert injected["figures"]["syncs_per_step"] == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_moe_stage_passes_on_this_gpu_with_or_without_the_grouped_gemm_fast_path(tmp_path, harness):
+    """On a GPU with `torch._grouped_mm`'s grouped kernel no read is allowed; elsewhere the experts' loop reads its
+    group sizes once per MoE layer and forward, allowed and said in the figures."""
+    from maester.config import load_config
+    from maester.models.moe import _fast_path_on
+    from tests.helpers import tiny_overrides
+
+    args = tiny_overrides("builtin:pydoc", tmp_path / "jobs", "moe", training__steps=4, logging__interval=4,
+                          checkpoint__interval=0, parallel__force_fsdp="true", model__name="olmoe",
+                          training__device="cuda")  # no Parquet: GPU images may lack pyarrow
+    cfg = load_config(None, args, environ={})
+    result = harness.train(cfg, inject=False, allow_syncs=False, torch=torch)
+    assert result["ok"], result["reason"]
+    assert ("expert_loop" in result["figures"]) != _fast_path_on(torch.device("cuda", 0)), result["figures"]
 
 
 def test_a_training_stage_whose_config_is_refused_fails_and_names_the_key(tmp_path):
@@ -233,7 +266,12 @@ def test_every_stage_has_a_unique_name_and_the_stage_option_refuses_unknown_ones
     names = [s.name for s in gpu_check.STAGES]
     assert len(set(names)) == len(names)
     assert names[0] == "fsdp-sync"  # the quickest verdict on the multi-GPU code path comes first
-    assert sum(s.estimate for s in gpu_check.STAGES if s.gpus == 1 and not s.on_request) <= 8 * 60
+    default = [s for s in gpu_check.STAGES if s.gpus == 1 and not s.on_request]
+    # Every default stage starts within the default budget (the CUDA tests too), and the whole check, with its setup
+    # and a margin, fits one device call of 10 minutes.
+    assert sum(s.estimate for s in default) <= gpu_check.DEFAULT_BUDGET
+    assert gpu_check.DEFAULT_BUDGET + gpu_check.SETUP_SECONDS + gpu_check.INTERRUPT_GRACE <= 600 - 30
+    assert gpu_check.parse_args([]).budget == gpu_check.DEFAULT_BUDGET
     with pytest.raises(SystemExit):
         gpu_check.main(["--stages", "fsdp-sync,no-such-stage", "--dry-run"])
 
@@ -248,14 +286,97 @@ def test_environment_names_the_gpus_and_collective_library():
     json.dumps(env)
 
 
-def test_the_memory_stages_set_the_plans_peak_beside_the_measured_one(tmp_path, harness):
-    """The stages with a predicted peak run the harness with --plan: `maester plan`'s peak of the stage's own config,
-    made before the trainer's process group, goes into the figures (and on a GPU, max_memory_allocated over it)."""
-    from maester.config import load_config
-
+def test_the_memory_stages_take_the_peak_planned_at_prepare(tmp_path):
+    """--prepare plans the memory stages with the project's torch (the GPU image's may be too old to plan) into
+    expected-peaks.json beside the wheels, each with the arguments it was planned for: a stage takes its figure
+    from there, and a stage whose arguments changed since is told to prepare again."""
     gpu_check = benchmark("gpu_check")
-    planned_stages = [s.name for s in gpu_check.STAGES if "--plan" in gpu_check.command_of(s, tmp_path, False)]
-    assert planned_stages == ["gemma3-1b-sft", "llama3-8b-width", "olmoe-width"]
-    cfg = load_config(None, tiny_stage(tmp_path, "planned"), environ={})
-    planned = harness.planned_peak(cfg)
-    assert 0 < planned["planned_peak_gib"] < 1, planned
+    wheels = benchmark("gpu_check_wheels")
+    assert [s.name for s in gpu_check.STAGES if s.planned] == ["gemma3-1b-sft", "llama3-8b-width", "olmoe-width"]
+    args = ["configs/demo.toml", *gpu_check.FEW, gpu_check.jsonl_source("pydoc"), "--model.flavor=tiny"]
+    assert wheels.plan_peaks(tmp_path, [{"name": "tiny", "args": args}], Path(sys.executable)) == 0
+    peak = wheels.expected_peak(tmp_path, "tiny", args)
+    assert 0 < peak["planned_peak_gib"] < 1, peak
+    assert "prepared for other arguments of tiny" in wheels.expected_peak(tmp_path, "tiny", args + ["--x=1"])[
+        "plan_not_made"]
+    assert "no " in wheels.expected_peak(tmp_path / "elsewhere", "tiny", args)["plan_not_made"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_planned_stage_on_this_gpu_sets_its_measured_peak_over_the_prepared_one(tmp_path):
+    gpu_check = benchmark("gpu_check")
+    args = ["configs/demo.toml", *gpu_check.FEW, gpu_check.jsonl_source("pydoc"), "--model.flavor=tiny",
+            "--training.steps=2", "--logging.interval=2", "--checkpoint.interval=0", "--checkpoint.save_final=false"]
+    stage = gpu_check.Stage("tiny-planned", "", "train", args, planned=True)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()  # as --prepare writes it, with a round figure: the GPU image's torch may be too old to plan
+    (wheels / "expected-peaks.json").write_text(json.dumps(
+        {"torch": "2.15", "stages": {stage.name: {"args": args, "planned_peak_gib": 0.5}}}))
+    subprocess.run([sys.executable, gpu_check.HARNESS, "--write-data", str(tmp_path / "data")], cwd=REPO, check=True,
+                   env=gpu_check.child_env(None))
+    result = gpu_check.run_stage(stage, tmp_path, gpu_check.child_env(None), timeout=300, wheels=wheels)
+    assert result["status"] == "pass", result
+    figures = result["figures"]
+    assert figures["peak_over_planned"] == round(figures["max_memory_allocated_gib"] / 0.5, 3), figures
+
+
+def test_prepare_fetches_both_pythons_into_the_fixed_folder_and_says_when_pip_is_missing(tmp_path):
+    gpu_check = benchmark("gpu_check")
+    wheels = benchmark("gpu_check_wheels")
+    args = gpu_check.parse_args(["--prepare", "--out", str(tmp_path / "elsewhere")])
+    assert args.python_version is None and wheels.PYTHON_VERSIONS == ["3.11", "3.12"]
+    assert args.wheels == REPO / "gpu-check" / "wheels"  # whatever --out says
+    assert not any(r.startswith("numpy") for r in wheels.CHECK_REQUIREMENTS)
+    venv = REPO / ".venv" / "bin" / "python"  # uv makes environments without pip
+    if subprocess.run([str(venv), "-c", "import pip"], capture_output=True).returncode == 0:
+        pytest.skip(f"{venv} has pip")
+    result = run([str(venv), "benchmarks/gpu_check.py", "--prepare", "--wheels", str(tmp_path / "wheels")])
+    assert result.returncode == 1 and "has no pip (a uv environment has none)" in result.stderr, result.stderr
+    assert "PYTHON=python3 scripts/gpu-check.sh --prepare" in result.stderr
+    assert not (tmp_path / "wheels").exists()
+
+
+FAILS_UNDER_EXPANDABLE = ("import os, sys; sys.exit('RuntimeError: CUDA error: operation not supported') "
+                          "if os.environ['PYTORCH_ALLOC_CONF'] == 'expandable_segments:True' else None")
+
+
+def test_a_first_allocation_that_fails_under_expandable_segments_is_retried_once_without():
+    """Expandable segments need CUDA's virtual memory API, which sandboxed GPUs may lack: the check probes the
+    first allocation under them, then without, and runs every stage with what worked (here a stand-in for the
+    allocation that fails the same way, as no GPU is here)."""
+    gpu_check = benchmark("gpu_check")
+    env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
+    chosen, said = gpu_check.allocator_env(env, FAILS_UNDER_EXPANDABLE)
+    assert chosen["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
+    assert said.startswith("expandable_segments:False: the first allocation failed under expandable_segments:True")
+    assert "operation not supported" in said
+    fine, said = gpu_check.allocator_env(env, "pass")
+    assert fine["PYTORCH_ALLOC_CONF"] == "expandable_segments:True" and said == "expandable_segments:True"
+    with pytest.raises(SystemExit, match="fails with expandable segments .* and without"):
+        gpu_check.allocator_env(env, "raise RuntimeError('no device')")
+    own, said = gpu_check.allocator_env({**env, "PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8"}, "pass")
+    assert own["PYTORCH_ALLOC_CONF"] == "garbage_collection_threshold:0.8" and "the caller's" in said
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_first_allocation_probe_allocates_on_this_gpu():
+    gpu_check = benchmark("gpu_check")
+    env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
+    assert gpu_check.first_allocation_error({**env, "PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is None
+    chosen, said = gpu_check.allocator_env(env)
+    assert chosen["PYTORCH_ALLOC_CONF"].startswith("expandable_segments:"), said
+
+
+def test_a_pytest_stage_stopped_at_its_time_limit_reports_the_tests_it_ran(tmp_path):
+    """At its time limit a stage gets SIGINT first: pytest then writes the report of what ran, so a cuda-tests
+    stage cut short still names its passes and failures."""
+    gpu_check = benchmark("gpu_check")
+    tests = tmp_path / "test_long.py"
+    tests.write_text("import time, pytest\n@pytest.mark.cuda\ndef test_quick():\n    pass\n"
+                     "@pytest.mark.cuda\ndef test_forever():\n    time.sleep(600)\n")
+    result = gpu_check.run_stage(gpu_check.Stage("cut", "", "pytest", [str(tests)]), tmp_path,
+                                 gpu_check.child_env(None), timeout=20)
+    assert result["status"] == "fail" and result["reason"].startswith("timed out after 20 s"), result
+    assert result["figures"]["passed"] >= 1 and result["seconds"] < 20 + gpu_check.INTERRUPT_GRACE + 5, result

@@ -1,6 +1,6 @@
 """The reliability probe of bdbdced, kept as a table so that what holds stays held: each case is the probe's
 command (its id in the name) with the exit code and the text a user must see. The cases that failed then have
-their own tests, listed in `FIXED_ELSEWHERE`; the README's reliability section counts both."""
+their own tests, listed in `FIXED_ELSEWHERE`; the Reliability section of docs/checkpoints.md counts both."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from maester.data.indexed import IndexedDatasetWriter
+from maester.train.metrics_file import read_events, read_metrics
 from tests.helpers import (DEMO_CONFIG, clean_env, rewrite_manifest, run_maester, seed_job, tiny_overrides,
                            write_corpus)
 
@@ -320,9 +321,9 @@ def symlink_removed_archive_kept(s: Scratch) -> None:
 def resumed_past_the_damage(s: Scratch) -> None:
     steps = s.root / "jobs" / "small" / "checkpoints"
     assert (steps / "step-3.damaged").is_dir() and (steps / "step-5").is_dir()
-    events = [json.loads(line) for line in (s.root / "jobs" / "small" / "metrics.jsonl").open()]
-    assert [e["checkpoint"] for e in events if e.get("event") == "checkpoint_damaged"] == ["step-3"]
-    trained = [e for e in events if "loss" in e and e["step"] >= 3]
+    job = s.root / "jobs" / "small"
+    assert [e["checkpoint"] for e in read_events(job) if e["event"] == "checkpoint_damaged"] == ["step-3"]
+    trained = [e for e in read_metrics(job / "metrics.jsonl") if e["step"] >= 3]
     assert [e["step"] for e in trained] == [3, 4, 5] and all(e["grad_norm"] > 0 for e in trained)  # a live model
 
 
@@ -539,11 +540,12 @@ def captured_logs(stream=None):
         logger.setLevel(level)  # not the attribute: setLevel also clears the logger's cached checks
 
 
-def run_in_process(args: list[str], timeout: int = 120) -> tuple[int, str, str]:
-    """`maester ARGS` in this process: (exit code, stdout, stderr with the log). SIGALRM ends a command that hangs."""
+def run_in_process(args: list[str], timeout: int = 120, stdout: io.StringIO | None = None) -> tuple[int, str, str]:
+    """`maester ARGS` in this process: (exit code, stdout, stderr with the log), stdout written into `stdout` if
+    given. SIGALRM ends a command that hangs."""
     from maester.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
+    out, err = stdout or io.StringIO(), io.StringIO()
 
     def hung(signum, frame):
         raise TimeoutError(f"maester {' '.join(args)} still ran after {timeout} s")
@@ -591,6 +593,17 @@ def read_only_command(args: list[str], job: Path, cwd: Path) -> subprocess.Compl
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
+def assert_row(row: Row, scratch: Scratch, before: dict, code: int, output: str) -> None:
+    """The row's exit code and text, no traceback; a refusal left the scratch directory (`before`) as it was."""
+    assert code == row.code, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert row.text in output, output[-3000:]
+    if row.code not in (0, 1) and row.refusal:
+        assert snapshot(scratch.root) == before, "a refusal changed files"
+    if row.then is not None:
+        row.then(scratch)
+
+
 @pytest.mark.parametrize("case", PROBE_2)
 def test_probe_2_case(probe2, tmp_path, monkeypatch, case):
     """The row's command gives its exit code and text, without a traceback; a refusal changes no file it was given
@@ -616,14 +629,417 @@ def test_probe_2_case(probe2, tmp_path, monkeypatch, case):
             for name, value in row.env.items():
                 monkeypatch.setenv(name, value)
             code, out, err = run_in_process(args)
-        assert code == row.code, (out + err)[-3000:]
-        assert "Traceback" not in err, err[-3000:]
-        assert row.text in out + err, (out + err)[-3000:]
-        if row.code not in (0, 1) and row.refusal:
-            assert snapshot(scratch.root) == before, "a refusal changed files"
-        if row.then is not None:
-            row.then(scratch)
+        assert_row(row, scratch, before, code, out + err)
     finally:
         for holder in scratch.holders:
             holder.stdin.close()
             holder.wait(timeout=30)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The probe of 24e698f, `maester plan`'s cases that fell short (R4, R9, R10), as rows of the same kind: the probe's
+# command on a copy of the demo config in the row's scratch directory; a refusal leaves it as it was.
+
+def demo_copy(s: Scratch) -> str:
+    """The probe's $T/cfgs/demo.toml."""
+    target = s.root / "cfgs" / "demo.toml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(DEMO, target)
+    return str(target)
+
+
+PROBE_3_PLAN = {
+    "R4 plan --gpu-memory nan": Row(lambda s: ["plan", demo_copy(s), "--gpus", "1", "--gpu-memory", "nan"], 2,
+                                    "--gpu-memory nan must be a positive, finite number of GiB"),
+    "R4 plan --gpu-memory inf": Row(lambda s: ["plan", demo_copy(s), "--gpus", "1", "--gpu-memory", "inf"], 2,
+                                    "--gpu-memory inf must be a positive, finite number of GiB"),
+    # The probe's 512 ranks of Llama 3 8B took 7 minutes without a line; the demo's 8 ranks show the same lines.
+    "R9 plan --ranks all off a terminal": Row(
+        lambda s: ["plan", demo_copy(s), "--gpus", "8", "--ranks", "all", "--training.micro_batch_size=2"], 0,
+        "building every rank: 8 of 8 ranks in"),
+    "R10 plan's time for a tiny model": Row(lambda s: ["plan", demo_copy(s), "--gpus", "1"], 0,
+                                            "a small model (1.6M parameters in a token's matmuls)"),
+}
+
+
+@pytest.mark.parametrize("case", PROBE_3_PLAN)
+def test_probe_3_plan_case(tmp_path, monkeypatch, case):
+    """The row's command gives its exit code and text, without a traceback; a refusal changes no file."""
+    row = PROBE_3_PLAN[case]
+    scratch = Scratch(tmp_path / "s", tmp_path)
+    scratch.root.mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = row.command(scratch)
+    before = snapshot(scratch.root)
+    code, out, err = run_in_process(args)
+    assert_row(row, scratch, before, code, out + err)
+
+
+
+# The third probe (reliability-probe-3.md), its checkpoint verification rows: R39, a checkpoint written with a
+# manifest whose manifest.json is gone; R40, a `.metadata` whose storage leaves the checkpoint.
+def without_manifest(s: Scratch, written_before_manifests: bool = False, flip: bool = False) -> Path:
+    """`small`'s step-3 without its manifest.json (`flip`: and with a flipped bit); `written_before_manifests`:
+    its trainer state without the format that says a manifest was written, as checkpoints from before them."""
+    step = s.job() / "checkpoints" / "step-3"
+    (step / "manifest.json").unlink()
+    if flip:
+        flip_exponent_bit(step)
+    if written_before_manifests:
+        state = json.loads((step / "trainer_state.json").read_text())
+        del state["checkpoint_format"]
+        (step / "trainer_state.json").write_text(json.dumps(state))
+    return step
+
+
+def storage_outside(s: Scratch) -> Path:
+    """N45's crafting: step-3's `.metadata` reads the embedding from step-1's file, its manifest made to match."""
+    step = s.job() / "checkpoints" / "step-3"
+    craft_metadata(step, s.root / "jobs" / "small" / "checkpoints" / "step-1")
+    return step
+
+
+def resumed_from_step_2(s: Scratch) -> None:
+    """step-3 was set aside (kept), the run loaded step-2 and trained steps 3 and 4 on a live model."""
+    steps = s.root / "jobs" / "small" / "checkpoints"
+    assert (steps / "step-3.damaged").is_dir() and (steps / "step-4").is_dir()
+    job = s.root / "jobs" / "small"
+    assert [e["checkpoint"] for e in read_events(job) if e["event"] == "checkpoint_damaged"][-1:] == ["step-3"]
+    trained = [e for e in read_metrics(job / "metrics.jsonl") if e["step"] >= 3]
+    assert [e["step"] for e in trained][-2:] == [3, 4] and all(e["grad_norm"] > 0 for e in trained)
+
+
+def verify(step: Path, *extra: str) -> list[str]:
+    return ["checkpoint", "verify", str(step), *extra]
+
+
+def train_small(s: Scratch) -> list[str]:
+    return ["train", str(s.root / "jobs" / "small"), "--training.steps=4"]
+
+
+PROBE_3_VERIFY = {
+    "R39 verify: no manifest, written with one": Row(
+        lambda s: verify(without_manifest(s)), 1,
+        "manifest.json: missing, and trainer_state.json says the checkpoint was written with one"),
+    "R39 verify: no manifest, from before manifests": Row(
+        lambda s: verify(without_manifest(s, written_before_manifests=True)), 0,
+        "unverified: no manifest (written before manifests existed)"),
+    "R39 resume: no manifest and a flipped bit": Row(
+        lambda s: (without_manifest(s, flip=True), train_small(s))[1], 0, "moved aside to step-3.damaged",
+        then=resumed_from_step_2),
+    "R40 verify --level full: storage outside the checkpoint": Row(
+        lambda s: verify(storage_outside(s), "--level", "full"), 1,
+        "which is not a file inside the checkpoint directory"),
+    "R40 resume: storage outside the checkpoint": Row(
+        lambda s: (storage_outside(s), train_small(s))[1], 0, "moved aside to step-3.damaged",
+        then=resumed_from_step_2),
+}
+
+
+@pytest.mark.parametrize("case", PROBE_3_VERIFY)
+def test_probe_3_verify_case(probe2, tmp_path, monkeypatch, case):
+    """As `test_probe_2_case`: the row's exit code and text without a traceback; `verify` changes no file, whatever
+    it finds."""
+    row = PROBE_3_VERIFY[case]
+    scratch = Scratch(tmp_path / "s", probe2[0])
+    scratch.root.mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = row.command(scratch)
+    before = snapshot(scratch.root)
+    code, out, err = run_in_process(args)
+    assert code == row.code, (out + err)[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert row.text in out + err, (out + err)[-3000:]
+    if args[0] == "checkpoint" or (row.code != 0 and row.refusal):
+        assert snapshot(scratch.root) == before, "a refusal changed files"
+    if row.then is not None:
+        row.then(scratch)
+
+
+# The probe of 24e698f: its cases that fell short at the seams added since (`eval`, `submit` onto a stopped job,
+# `generate` of a long answer, `convert`'s upload and shard size, `report` of a damaged plan.json), each a row as in
+# PROBE_2, on copies of PROBE_2's jobs. A refusal is one line (the last of stderr, naming what it refuses) with exit
+# 2, and changes no file.
+
+@dataclass
+class Row3(Row):
+    check: Callable[["Scratch", str, str], None] | None = None
+    """A further check after the command, given the scratch and its (first run's) stdout and stderr."""
+    unloaded: bool = False
+    """The refusal comes before any model is loaded: the command names no checkpoint it read."""
+    read_only: str | None = None
+    """A directory of the scratch that the command sees mounted read-only (in a mount namespace of its own)."""
+    stop_after: int | None = None
+    """The command's stdout ends it, as Ctrl-C does, once it holds this many characters."""
+    repeat: int = 1
+    """Run the command this many times, each checked (a race that one run may win by chance)."""
+
+
+class LiveJobs:
+    """Tiny jobs that train on (for hours) in the background, with a checkpoint at every step and only the newest
+    kept: running jobs for the rows to read, started on first use and shared by the rows of the module."""
+
+    def __init__(self, root: Path, corpus: Path):
+        self.root, self.corpus = root, corpus
+        self.trainers: dict[str, subprocess.Popen] = {}
+
+    def job(self, name: str = "live") -> Path:
+        """The job `name`, training, once it has saved three checkpoints (its first steps are slower)."""
+        import time
+
+        job = self.root / "jobs" / name
+        if name not in self.trainers:
+            args = tiny_overrides(self.corpus, self.root / "jobs", name, training__steps=100000,
+                                  checkpoint__interval=1, checkpoint__keep_last=1, logging__interval=1000)
+            self.trainers[name] = subprocess.Popen(
+                [sys.executable, "-m", "maester", "train", DEMO, *args], stdout=open(self.root / f"{name}.log", "w"),
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=clean_env(OMP_NUM_THREADS="1"),
+                start_new_session=True)
+        latest, deadline = job / "checkpoints" / "latest", time.monotonic() + 600
+        while int(os.readlink(latest).split("-")[1] if latest.is_symlink() else 0) < 3:
+            assert self.trainers[name].poll() is None, (self.root / f"{name}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no third checkpoint after 600 s"
+            time.sleep(0.2)
+        return job
+
+    def end(self) -> None:
+        for proc in self.trainers.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def live_jobs(tmp_path_factory):
+    jobs = LiveJobs(tmp_path_factory.mktemp("live"), write_corpus(tmp_path_factory.mktemp("live-data") / "c.parquet"))
+    yield jobs
+    jobs.end()
+
+
+class LiveScratch(Scratch):
+    """A scratch whose rows may read a job that is training (`live`)."""
+
+    def __init__(self, root: Path, base: Path, live: LiveJobs):
+        super().__init__(root, base)
+        self.live = live
+
+    def training(self) -> Path:
+        return self.live.job()
+
+
+def task_file(s: Scratch, name: str) -> str:
+    """A copy of the shipped pydoc_choice task (its data beside it) with one error, as `<name>.yaml`."""
+    from maester.evaluation.task_specs import SHIPPED_TASKS
+
+    tasks = s.root / "tasks"
+    tasks.mkdir(exist_ok=True)
+    for data in ("data.py", "pydoc_choice.jsonl"):
+        shutil.copy(SHIPPED_TASKS / data, tasks / data)
+    text = (SHIPPED_TASKS / "pydoc_choice.yaml").read_text().replace("task: pydoc_choice", f"task: probe_{name}")
+    edits = {"syntax": ('doc_to_text: "{{context}}"', "doc_to_text: {{context"),
+             "badjinja": ("{{context}}", "{{context | nosuchfilter}}"),
+             "badfield": ("{{context}}", "{{nosuchfield}}"),
+             "badmetric": ("metric: acc\n    aggregation: mean", "metric: nosuchmetric"),
+             "pyobj": ("test_split: test", f"test_split: !!python/object/apply:os.system ['touch {s.root}/PWNED']")}
+    old, new = edits[name]
+    assert old in text
+    (tasks / f"{name}.yaml").write_text(text.replace(old, new))
+    return str(tasks / f"{name}.yaml")
+
+
+def evaluate(s: Scratch, *extra: str, job: Path | None = None, tasks: str = "pydoc_choice") -> list[str]:
+    return ["eval", str(job or s.job()), "--tasks", tasks, "--limit", "4", *extra]
+
+
+def truncated(s: Scratch) -> Path:
+    """A copy of `small` whose newest checkpoint (step-3) has a shard cut short."""
+    job = s.job()
+    shard = max((job / "checkpoints" / "step-3").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    return job
+
+
+def evaluated(step: str, output: str):
+    """The JSON of --output names the checkpoint and its step, and the console named it."""
+    def check(s: Scratch, out: str, err: str) -> None:
+        config = json.loads((s.root / output).read_text())["config"]
+        assert config["checkpoint"].endswith(f"/checkpoints/{step}") and config["step"] == int(step.split("-")[1])
+        assert f"evaluating {config['checkpoint']} (step {config['step']})" in err
+    return check
+
+
+def read_while_training(s: LiveScratch, out: str, err: str) -> None:
+    """The checkpoint the first run read was the live job's, and the job has saved newer ones since."""
+    import re
+
+    read = int(re.search(r"/checkpoints/step-(\d+) \(step \d+\)", err)[1])
+    steps = [int(p.name.split("-")[1]) for p in (s.training() / "checkpoints").glob("step-*")
+             if p.name.split("-")[1].isdigit()]
+    assert max(steps) > read, (read, steps)
+
+
+def stopped_job(s: Scratch) -> Path:
+    """A copy of `small` as SIGTERM leaves a job: requeue-requested, no COMPLETED marker."""
+    from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE
+
+    job = s.job()
+    (job / COMPLETED_FILE).unlink()
+    (job / REQUEUE_FILE).write_text(json.dumps({"step": 3, "reason": "SIGTERM"}) + "\n")
+    return job
+
+
+def resubmit(s: Scratch, *extra: str) -> list[str]:
+    """`submit` of the config `small` was trained with, onto (a copy of) it, with `extra` overrides."""
+    return ["submit", DEMO, *tiny_overrides(s.base / "corpus.parquet", s.root / "jobs", "small", training__steps=3,
+                                            checkpoint__interval=1, checkpoint__keep_last=3), "--no-submit", *extra]
+
+
+def config_says(key: str, value) -> Callable[[Scratch, str, str], None]:
+    def check(s: Scratch, out: str, err: str) -> None:
+        section, name = key.split(".")
+        assert json.loads((s.root / "jobs" / "small" / "config.json").read_text())[section][name] == value
+    return check
+
+
+def export_kept(s: Scratch, out: str, err: str) -> None:
+    assert (s.root / "hf" / "config.json").is_file() and list((s.root / "hf").glob("*.safetensors"))
+
+
+def with_plan(s: Scratch, text: str) -> Path:
+    job = s.job()
+    (job / "plan.json").write_text(text)
+    return job
+
+
+def report_drawn(s: Scratch, out: str, err: str) -> None:
+    assert (s.root / "jobs" / "small" / "report.png").stat().st_size > 0
+    assert "planned memory" not in (s.root / "jobs" / "small" / "report.txt").read_text()
+
+
+def streamed(s: Scratch, out: str, err: str) -> None:
+    """Ended (as by Ctrl-C) once its output held 60 characters: the answer came out as it was generated."""
+    assert out.startswith("hi") and len(out) >= 60, out
+
+
+PROBE_3 = {
+    "R13 a task YAML with a syntax error": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "syntax")), 2, "syntax.yaml: cannot be read as YAML", unloaded=True),
+    "R13 an unknown Jinja filter": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "badjinja")), 2, "No filter named 'nosuchfilter'", unloaded=True),
+    "R13 an undefined field": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "badfield")), 2, "'nosuchfield' is undefined", unloaded=True),
+    "R13 a metric without aggregation": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "badmetric")), 2, "nosuchmetric", unloaded=True),
+    "R13 a python tag": Row3(
+        lambda s: evaluate(s, tasks=task_file(s, "pyobj")), 2, "pyobj.yaml: cannot be read as YAML", unloaded=True),
+    "R14 eval of a job that is training, 3 times": Row3(
+        lambda s: evaluate(s, job=s.training()), 0, "evaluating", check=read_while_training, repeat=3),
+    "R14 generate from a job that is training, 10 times": Row3(
+        lambda s: ["generate", str(s.training()), "--prompt", "hi", "--max-new-tokens", "4"], 0, "sampling from",
+        check=read_while_training, repeat=10),
+    "R17 --output a directory": Row3(
+        lambda s: evaluate(s, "--output", str(s.root / "jobs")), 2, "is a directory", unloaded=True),
+    "R17 --output on a read-only mount": Row3(
+        lambda s: (s.root.joinpath("ro").mkdir(), evaluate(s, "--output", str(s.root / "ro" / "r.json")))[1], 2,
+        "Read-only file system", unloaded=True, read_only="ro"),
+    "R18 --limit nan": Row3(lambda s: evaluate(s, "--limit", "nan"), 2, "--limit", unloaded=True),
+    "R18 --num-fewshot -1": Row3(lambda s: evaluate(s, "--num-fewshot", "-1"), 2, "--num-fewshot -1",
+                                 unloaded=True),
+    "R21 eval names the checkpoint it evaluated": Row3(
+        lambda s: evaluate(s, "--output", str(s.root / "x.json"), job=truncated(s)), 0,
+        "skipping the damaged checkpoint", check=evaluated("step-2", "x.json")),
+    "R21 generate names the checkpoint it sampled": Row3(
+        lambda s: ["generate", str(truncated(s)), "--prompt", "hi", "--max-new-tokens", "4"], 0,
+        "/checkpoints/step-2 (step 2)"),
+    "R22 a broken task file in evaluation.tasks": Row3(
+        lambda s: small(s, f'--evaluation.tasks=["{task_file(s, "syntax")}"]', "--evaluation.interval=1"), 2,
+        "syntax.yaml: cannot be read as YAML"),
+    "R23 a Hub task offline, eval": Row3(
+        lambda s: evaluate(s, tasks="hellaswag"), 2, "--download-only --tasks hellaswag",
+        env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, own_process=True, unloaded=True),
+    "R23 --include-path a missing directory": Row3(
+        lambda s: evaluate(s, "--include-path", str(s.root / "nonexistdir")), 2, "nonexistdir does not exist",
+        unloaded=True),
+    "R48 submit onto a finished job with another lr": Row3(
+        lambda s: (s.job(), resubmit(s, "--optimizer.lr=0.9"))[1], 2, "optimizer.lr=0.9"),
+    "R48 submit onto a stopped job with fewer steps": Row3(
+        lambda s: (stopped_job(s), resubmit(s, "--training.steps=2"))[1], 2, "training.steps=2"),
+    "R48 submit onto a job with another model, --update-config": Row3(
+        lambda s: (s.job(), resubmit(s, "--model.flavor=demo", "--update-config"))[1], 2, "model.flavor='demo'"),
+    "R48 submit --update-config": Row3(
+        lambda s: (s.job(), resubmit(s, "--optimizer.lr=0.9", "--update-config"))[1], 0, "optimizer.lr=0.9",
+        check=config_says("optimizer.lr", 0.9)),
+    "R48 submit the job's own config again": Row3(
+        lambda s: (stopped_job(s), resubmit(s))[1], 0, "job directory", check=config_says("optimizer.lr", 3e-3)),
+    "R49 convert --upload without a network": Row3(
+        lambda s: ["convert", "to-hf", str(s.job()), str(s.root / "hf"), "--upload", "org/name"], 2,
+        "upload it again with `hf upload org/name", env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_x"},
+        own_process=True, refusal=False, check=export_kept),
+    "R50 --max-shard-size 0": Row3(
+        lambda s: ["convert", "to-hf", str(s.job()), str(s.root / "hf"), "--max-shard-size", "0"], 2,
+        "--max-shard-size '0'"),
+    "R50 --max-shard-size abc": Row3(
+        lambda s: ["convert", "to-hf", str(s.job()), str(s.root / "hf"), "--max-shard-size", "abc"], 2,
+        "--max-shard-size 'abc'"),
+    "R52 generate streams a long answer": Row3(
+        lambda s: ["generate", str(s.job()), "--prompt", "hi", "--max-new-tokens", "131000"], 130, "interrupted",
+        refusal=False, stop_after=60, check=streamed),
+    "R53 report of a job whose plan.json is not JSON": Row3(
+        lambda s: ["report", str(with_plan(s, "{garbage"))], 0, "plan.json", check=report_drawn),
+    "R53 report of a plan.json with a bad number": Row3(
+        lambda s: ["report", str(with_plan(s, json.dumps({"peak_gib": "lots", "gpus": 8, "gpu": "H100"})))], 0,
+        "plan.json", check=report_drawn),
+}
+
+
+class Ending(io.StringIO):
+    """stdout that ends the command, as Ctrl-C does, once it holds `limit` characters."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if len(self.getvalue()) >= self.limit:
+            raise KeyboardInterrupt
+        return n
+
+
+def run_row3(row: Row3, args: list[str], scratch: Scratch, tmp_path: Path, hub_env: dict, monkeypatch):
+    """(exit code, stdout, stderr) of the row's command: in this process, or in its own (a Hub endpoint or an
+    offline switch read at import, a read-only mount)."""
+    if row.read_only is not None:
+        done = read_only_command(args, scratch.root / row.read_only, tmp_path)
+        return done.returncode, done.stdout, done.stderr
+    if row.own_process:
+        done = run_maester(args, tmp_path, {**hub_env, **row.env})
+        return done.returncode, done.stdout, done.stderr
+    for name, value in row.env.items():
+        monkeypatch.setenv(name, value)
+    return run_in_process(args, stdout=None if row.stop_after is None else Ending(row.stop_after))
+
+
+@pytest.mark.parametrize("case", PROBE_3)
+def test_probe_3_case(probe2, live_jobs, tmp_path, monkeypatch, case):
+    """The row's command gives its exit code and text, without a traceback; a refusal is one line, the last of
+    stderr, and changes no file it was given; a row that reads no model says nothing of a checkpoint."""
+    base, hub_env = probe2
+    row = PROBE_3[case]
+    scratch = LiveScratch(tmp_path / "s", base, live_jobs)
+    scratch.root.mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = row.command(scratch)
+    before = snapshot(scratch.root)
+    runs = [run_row3(row, args, scratch, tmp_path, hub_env, monkeypatch) for _ in range(row.repeat)]
+    for code, out, err in runs:
+        assert code == row.code, (out + err)[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert row.text in out + err, (out + err)[-3000:]
+        if row.code == 2 and row.refusal:
+            assert row.text in err.strip().splitlines()[-1], err[-3000:]
+        if row.unloaded:
+            assert "/checkpoints/step-" not in out + err, (out + err)[-3000:]
+    if row.code == 2 and row.refusal:
+        assert snapshot(scratch.root) == before, "a refusal changed files"
+    if row.check is not None:
+        row.check(scratch, *runs[0][1:])

@@ -78,3 +78,17 @@ def test_record_count_of_parquet_and_jsonl(corpus, tmp_path):
     assert RecordReader([str(corpus), str(jsonl)]).count_records() == 200 + 37
     (tmp_path / "docs.jsonl.gz").write_bytes(b"")
     assert RecordReader([str(jsonl), str(tmp_path / "docs.jsonl.gz")]).count_records() is None
+
+
+def test_progress_lines_off_a_terminal_come_at_the_start_every_so_often_and_at_the_end(capsys):
+    """Where stderr is not a terminal a command that can run for minutes (`plan --ranks all`) prints plain lines:
+    one before the first item, one whenever `every` seconds have passed since the last, and one after the last."""
+    from maester.progress import progress_bar, progress_lines
+
+    ticks = iter([0, 10, 40, 50, 75, 80])  # the clock at the start and after each of 5 items
+    assert list(progress_lines("ranks", range(5), 5, " ranks", every=30, clock=lambda: next(ticks))) == [0, 1, 2, 3, 4]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["ranks: 0 of 5 ranks", "ranks: 2 of 5 ranks in 40 s, about 60 s left",
+                     "ranks: 4 of 5 ranks in 75 s, about 19 s left", "ranks: 5 of 5 ranks in 80 s"], lines
+    assert list(progress_bar("ranks", range(3), total=3, lines_every=30)) == [0, 1, 2]  # stderr is captured here
+    assert capsys.readouterr().err.splitlines()[0] == "ranks: 0 of 3 it"

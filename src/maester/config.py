@@ -205,10 +205,11 @@ class CheckpointConfig(Section):
     `training.steps = 250` trains 30 steps."""
     save_final: bool = True
     verify: Literal["size", "full"] = "full"
-    """What a run checks of the checkpoint it resumes from (or `init_from`) against its manifest.json before loading
-    it: `full`, every file's size and CRC-32 (reads the whole checkpoint once, every rank its share: about 0.5 s per
-    GB on one CPU core, `benchmarks/checkpoint_verify.py`); `size`, every file's size only (a stat per file), which
-    misses a flipped bit. Either way the first steps after a load stop the run if the model cannot train."""
+    """What a run checks of the checkpoint it resumes from (or `init_from`) against its manifest.json: `full`, every
+    file's size and checksum (XXH3-128; CRC-32 in a manifest written before format 2), at a resume on the bytes the
+    load reads, in the same pass, every rank its share (docs/checkpoints.md has the cost); `size`, every file's size
+    only (a stat per file), which misses a flipped bit. A damaged checkpoint is moved aside and the one before it
+    loaded. Either way the first steps after a load stop the run if the model cannot train."""
     trust_pickled_rng: bool = False
     """Read a checkpoint's RNG state saved by an older maester (pickled Python objects: loading them can run
     code). Off: such a file is refused with a message; checkpoints of this version hold no pickle."""
@@ -219,7 +220,7 @@ class CheckpointConfig(Section):
     as `async`, into page-locked buffers, for faster copies from a GPU (CUDA only; refused elsewhere). One save at a
     time: a save waits for the previous one. The last step's save and the save of a stop (SIGTERM, SIGUSR1, the
     stop file) are written before the run goes on or exits. A background write that fails is logged and recorded
-    in metrics.jsonl, `latest` stays where it was, training goes on and the next interval saves again; a run whose
+    in events.jsonl, `latest` stays where it was, training goes on and the next interval saves again; a run whose
     last save failed exits with an error. `auto`: `async` on CUDA, `off` elsewhere. Before step 1 the host copies of
     each node's ranks are sized (`maester.train.checkpoint_memory.staged_bytes`) against 3/4 of the node's available
     memory: where they do not fit, `auto` saves synchronously and says so in one line, and `async` or `pinned` is

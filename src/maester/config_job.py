@@ -71,6 +71,11 @@ class SlurmConfig(Section):
     template: str = "default"
     """`default`, `lumi` (LUMI-G: 8 GCDs per node, ROCm, Singularity), or the path of your own Jinja2 template."""
     nodes: int = Field(1, ge=1)
+    min_nodes: int | None = Field(None, ge=1)
+    """Let SLURM start the job, and a requeued job, on as few as this many of `nodes` (`--nodes=min_nodes-nodes`):
+    it may then run on fewer nodes, even with more idle (SLURM 22.05 with select/cons_tres starts such a job on
+    `min_nodes`), resuming on fewer ranks with the same data order; the parallel layout must fit every node count
+    in the range. None: always `nodes`, and a job requeued after a node died waits until that many are up."""
     gpus_per_node: int = Field(0, ge=0)
     """GPUs (GCDs) per node requested with `--gpus-per-node`; 0: none (a CPU job)."""
     gpu: str | None = None
@@ -147,6 +152,9 @@ class SlurmConfig(Section):
             if not command.strip():
                 raise ValueError(f"slurm.after[{i}] is empty: give a shell command, e.g. 'maester convert to-hf "
                                  f"\"$JOB_DIR\" \"$JOB_DIR/hf\"'")
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"slurm.min_nodes = {self.min_nodes} is more than slurm.nodes = {self.nodes}: the job "
+                             f"runs on min_nodes to nodes nodes")
         if not all(part.isdigit() for part in self.time.replace("-", ":").split(":")):
             raise ValueError(f"slurm.time {self.time!r} is not a SLURM time such as '02:00:00' or '1-12:00:00'")
         for key in self.env:

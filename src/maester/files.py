@@ -200,14 +200,16 @@ def read_json_object(path: Path) -> dict:
 # Two conventions for sizes, each where its users expect it.
 def parse_shard_size(text: str) -> int:
     """Hugging Face's `max_shard_size`: '5GB' and '500MB' are decimal, '2GiB' binary; or a plain number of
-    bytes."""
+    bytes. At least one byte; the error says what was expected, not which option gave it."""
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    t = text.strip().upper()
-    number = t.rstrip("KMGIB")
-    unit = t[len(number):]
-    if unit not in units or not number:
-        raise ValueError(f"size {text!r}: expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
-    return math.floor(float(number) * units[unit])
+    match = re.fullmatch(r"(\d+(?:\.\d*)?(?:[eE]\d+)?|\.\d+)\s*([A-Za-z]*)", text.strip())
+    if not match or match[2].upper() not in units:
+        raise ValueError("expected a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. 5GB or "
+                         "500MB")
+    size = math.floor(float(match[1]) * units[match[2].upper()])
+    if size < 1:
+        raise ValueError("a shard holds at least one byte: give a size such as 5GB or 500MB")
+    return size
 
 
 def parse_buffer_size(text: str) -> int:
@@ -217,3 +219,22 @@ def parse_buffer_size(text: str) -> int:
     if not match or match.group(2).upper() not in multiples or int(match.group(1)) == 0:
         raise ValueError(f"--sizes: {text!r} is not a size in bytes (e.g. 4096, 64K, 32MiB, 1G)")
     return int(match.group(1)) * multiples[match.group(2).upper()]
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse now what writing the file `path` (named by the option `flag`) would fail at later: a directory, or a
+    place that takes no new file (read-only, immutable, no permission). A directory still missing is fine where the
+    nearest one that exists takes a new file (the write creates the rest). Nothing is left behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: give the name of the file to write")
+    existing = next(p for p in [path.parent, *path.parent.parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is not a directory")
+    probe = existing / f".write-test-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be written ({e.strerror or e}): give a file in a writable "
+                         f"directory") from None
+    probe.unlink()

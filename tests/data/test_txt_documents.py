@@ -65,7 +65,7 @@ def test_a_directory_of_txt_files_but_not_txt_beside_records(tmp_path):
 
 
 def test_the_source_keys_are_documented_and_checked():
-    readme = (REPO / "README.md").read_text()
-    assert "split_on_blank_lines" in readme and "label_path" in readme
+    configs = (REPO / "docs" / "configs.md").read_text()
+    assert "split_on_blank_lines" in configs and "label_path" in configs
     with pytest.raises(ValueError, match="label_path"):
         DataConfig(sources=[DataSourceConfig(path="x.txt", label_path="y")])

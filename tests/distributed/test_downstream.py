@@ -7,8 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
+
+from maester.train.metrics_file import read_events
 
 from tests.helpers import DEMO_CONFIG, REPO, clean_env, torchrun
 from tests.train.test_downstream import broken_task
@@ -16,6 +21,30 @@ from tests.train.test_downstream import broken_task
 
 def metrics_lines(job) -> list[dict]:
     return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+@contextmanager
+def removed_once_started(job, path, runs_before: int):
+    """Removes `path` once a run has started (its `hosts` event, written after the tasks were built), so that the
+    broken task fails when it is evaluated."""
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            events = job / "events.jsonl"
+            if events.is_file() and events.read_text().count('"event": "hosts"') > runs_before:
+                path.unlink()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+    assert not path.exists(), "the run ended before it started"
 
 
 def test_fsdp_evaluates_in_the_loop_and_resumes_bitwise(tmp_path):
@@ -33,12 +62,16 @@ def test_fsdp_evaluates_in_the_loop_and_resumes_bitwise(tmp_path):
                     _MAESTER_FAULT_ONCE=str(tmp_path / "killed-once"))
     job = tmp_path / "jobs" / "demo-eval"
     # Steps 1-5, evaluated and saved at step 3, then every rank is killed with SIGKILL after step 5.
-    killed = torchrun(2, ["train", str(DEMO_CONFIG), *overrides], tmp_path, env=env, timeout=600)
+    data = (tmp_path / "missing.jsonl").read_text()
+    with removed_once_started(job, tmp_path / "missing.jsonl", runs_before=0):
+        killed = torchrun(2, ["train", str(DEMO_CONFIG), *overrides], tmp_path, env=env, timeout=600)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
     before = {r["step"]: r["loss"] for r in metrics_lines(job) if "loss" in r}
     assert sorted(before) == [1, 2, 3, 4, 5]
 
-    resumed = torchrun(2, ["train", str(job)], tmp_path, env=env, timeout=600)  # from step 3, evaluated at 6
+    (tmp_path / "missing.jsonl").write_text(data)  # the tasks are built at the start, with their data
+    with removed_once_started(job, tmp_path / "missing.jsonl", runs_before=1):
+        resumed = torchrun(2, ["train", str(job)], tmp_path, env=env, timeout=600)  # from step 3, evaluated at 6
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = metrics_lines(job)
     losses = {r["step"]: r["loss"] for r in lines if "loss" in r}
@@ -47,7 +80,7 @@ def test_fsdp_evaluates_in_the_loop_and_resumes_bitwise(tmp_path):
     assert [r["step"] for r in evals] == [3, 6]
     for r in evals:
         assert {"eval/pydoc_choice/acc", "eval/pydoc_choice/acc_norm", "eval/pydoc_complete/exact_match"} <= r.keys()
-    failed = [r for r in lines if r.get("event") == "eval_failed"]
+    failed = [r for r in read_events(job) if r["event"] == "eval_failed"]
     assert [(r["step"], r["task"].endswith("broken.yaml")) for r in failed] == [(3, True), (6, True)]
     assert "missing.jsonl" in failed[0]["error"]
     events = EventAccumulator(str(job / "tensorboard"))

@@ -9,7 +9,7 @@ import pytest
 
 from maester.cli import main
 from maester.config import load_config
-from maester.train.metrics import read_metrics
+from maester.train.metrics_file import read_events, read_metrics
 from maester.train.trainer import Trainer, write_seed_checkpoint
 from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, torchrun, write_corpus
 
@@ -74,8 +74,8 @@ def test_async_saves_of_two_fsdp_ranks_resume_on_one(uninterrupted):
     out = torchrun(2, ["train", str(job)], root)
     assert out.returncode == 0, out.stderr[-4000:]
     assert (job / "checkpoints" / "latest").resolve().name == "step-2"
-    events = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
-    assert [(e["event"], e["step"], e["background"]) for e in events] == [("checkpoint", 2, True)]
+    saves = [e for e in read_events(job) if e["event"].startswith("checkpoint")]
+    assert [(e["event"], e["step"], e["background"]) for e in saves] == [("checkpoint", 2, True)]
     assert sorted(p.name for p in (job / "checkpoints" / "step-2").glob("*.distcp")) == ["__0_0.distcp",
                                                                                         "__1_0.distcp"]
     main(["train", str(job), "--training.steps=4"])  # one process, here

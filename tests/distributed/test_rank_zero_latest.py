@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -19,10 +20,13 @@ def run(tmp_path) -> dict[int, dict]:
 
 
 def view(tmp_path, rank: int, steps: list[int], latest: int | None):
+    """Checkpoints from before manifests, each with an empty DCP metadata (an empty file is a damaged one)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     ckpt = tmp_path / f"view-{rank}" / "checkpoints"
     for step in steps:
         (ckpt / f"step-{step}").mkdir(parents=True)
-        (ckpt / f"step-{step}" / ".metadata").write_text("")
+        (ckpt / f"step-{step}" / ".metadata").write_bytes(pickle.dumps(Metadata({})))
         (ckpt / f"step-{step}" / "trainer_state.json").write_text(json.dumps({"step": step}))
     if latest is not None:
         os.symlink(f"step-{latest}", ckpt / "latest")

@@ -81,7 +81,10 @@ def test_peak_memory_is_at_most_a_quarter_of_full_logits():
     from benchmarks.loss_memory import main
 
     out = main(["--tokens", "2048", "--vocab", "65536", "--dim", "32", "--chunk", "256"])
-    assert out["full"]["peak_mib"] > 1000  # the full version really materialises ~0.5 GiB tensors
+    # Ratios of measurements from one process, not floors in MiB, which depend on the allocator and the machine:
+    # the full version holds at least one whole logits tensor (512 MiB here) at its peak, the chunked a quarter
+    # of the full one's peak at most.
+    assert out["full_over_logits"] >= 1.0, out
     assert out["ratio"] <= 0.25, out
     assert out["chunked"]["loss"] == pytest.approx(out["full"]["loss"], rel=1e-5)
     assert out["chunked"]["grad_h"] == pytest.approx(out["full"]["grad_h"], rel=1e-4)

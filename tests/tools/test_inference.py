@@ -93,7 +93,7 @@ def test_the_shipped_smoke_suite_is_batched_like_one_at_a_time(jobs, tmp_path, c
     completer = Completer(model, tokenizer, cfg, max_new_tokens=6)
     outs = completer.complete_batch(prompts, 8)
     assert outs == completer.complete_batch(prompts, 1) and len(set(outs)) > len(outs) // 2
-    print_results(prompts, outs, None)
+    print_results(prompts, outs)
     expected = capsys.readouterr().out
     run = run_maester(["generate", str(jobs["llama"]), "--prompts-file", str(suite), "--max-new-tokens", "6"],
                       tmp_path)

@@ -16,7 +16,7 @@ from maester.config import Config
 from maester.jobs.slurm import record_job
 from maester.tools.job_status import status_items
 from maester.train.preemption import STOP_FILE
-from maester.train.trainer import stop_event
+from maester.train.preemption import stop_event
 
 LINKS = ["990001", "990002"]
 

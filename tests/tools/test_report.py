@@ -14,7 +14,7 @@ from maester.cli import main
 from maester.config import load_config
 from maester.jobs.job_dir import write_job_dir
 from maester.tools.report import write_report
-from maester.train.metrics import read_metrics
+from maester.train.metrics_file import read_events, read_metrics
 from maester.train.preemption import REQUEUE_FILE, write_marker
 from maester.train.trainer import Trainer
 from tests.helpers import tiny_overrides, write_corpus
@@ -173,3 +173,26 @@ def test_report_of_a_job_without_metrics(finished_job, tmp_path, capsys):
     (job / "metrics.jsonl").write_text('{"step": 1, "lo')  # the first line, half written
     with pytest.raises(ValueError, match="holds no logged training step yet"):
         write_report(job)
+
+
+def test_a_job_from_before_events_jsonl_resumes_and_reports_both(finished_job, tmp_path, capsys):
+    """A job whose events sit between the rows of metrics.jsonl (as maester wrote them before events.jsonl): a
+    resume appends its rows and events to the two files, and `report` and `status` read the events of both."""
+    job = tmp_path / "jobs" / "reported"
+    shutil.copytree(finished_job, job, symlinks=True)
+    rows = (job / "metrics.jsonl").read_text().splitlines(keepends=True)
+    events = (job / "events.jsonl").read_text().splitlines(keepends=True)
+    (job / "metrics.jsonl").write_text("".join(rows[:2] + events + rows[2:]))  # the old, mixed file
+    (job / "events.jsonl").unlink()
+    assert main(["train", str(job), f"--training.steps={STEPS + 2}"]) in (0, None)
+    assert [r["step"] for r in read_metrics(job / "metrics.jsonl")] == list(range(1, STEPS + 3))
+    assert all(r["loss"] is not None for r in read_metrics(job / "metrics.jsonl"))
+    kinds = [(e["event"], e["step"]) for e in read_events(job)]
+    assert kinds[:len(events)] == [(json.loads(e)["event"], json.loads(e)["step"]) for e in events]
+    assert ("load", STEPS) in kinds[len(events):] and ("checkpoint", STEPS + 2) in kinds[len(events):]
+    main(["report", str(job)])
+    assert parse_summary((job / "report.txt").read_text())["checkpoint saves"] == "2 written (0 in the background)"
+    capsys.readouterr()
+    main(["status", str(job)])
+    out = capsys.readouterr().out
+    assert "10 of 10 (100%)" in out, out

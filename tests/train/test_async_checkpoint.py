@@ -104,7 +104,7 @@ def test_a_background_save_holds_its_step_and_writes_what_a_synchronous_save_wri
 
 
 def events(job, kind: str) -> list[dict]:
-    return [r for r in read_events(job / "metrics.jsonl") if r["event"] == kind]
+    return [r for r in read_events(job) if r["event"] == kind]
 
 
 def losses(job) -> dict[int, float]:

@@ -113,5 +113,5 @@ def test_auto_keeps_background_saves_on_a_gpu_where_the_copies_fit(tmp_path):  #
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    saves = [e for e in read_events(cfg.job_dir / "metrics.jsonl") if e["event"] == "checkpoint"]
+    saves = [e for e in read_events(cfg.job_dir) if e["event"] == "checkpoint"]
     assert [(e["step"], e["background"]) for e in saves] == [(1, True), (2, False)]

@@ -48,7 +48,7 @@ def test_a_subclass_without_a_rule_is_refused_before_any_file_changes(tmp_path):
 
 
 def test_a_registered_rule_saves_the_plain_tensor_inside(tmp_path, monkeypatch):
-    from maester.train.checkpoint_files import load_model_weights
+    from maester.train.checkpoint_reader import load_model_weights
 
     monkeypatch.setitem(UNWRAP, qualified_name(Wrapped), None)  # restored after the test
     register_unwrap(Wrapped, lambda t: t.inner)

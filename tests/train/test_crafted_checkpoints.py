@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from maester.train.checkpoint_files import dcp_load
+from maester.train.checkpoint_reader import dcp_load
 from tests.helpers import DEMO_CONFIG, rewrite_manifest, run_maester, tiny_overrides, write_corpus
 
 

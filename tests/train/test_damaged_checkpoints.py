@@ -10,6 +10,8 @@ import shutil
 
 import pytest
 
+from maester.train.metrics_file import read_events
+
 from tests.helpers import DEMO_CONFIG, run_maester, tiny_overrides, write_corpus
 
 
@@ -47,8 +49,7 @@ def losses_after(job, step: int) -> dict[int, float]:
 
 
 def events(job) -> list[dict]:
-    return [r for line in (job / "metrics.jsonl").read_text().splitlines()
-            if (r := json.loads(line)).get("event") == "checkpoint_damaged"]
+    return [r for r in read_events(job) if r["event"] == "checkpoint_damaged"]
 
 
 def truncate(step):
@@ -103,7 +104,7 @@ def test_same_size_corruption_is_found_by_full_verification(trained, from_step_2
     shard = flip_a_byte(job / "checkpoints" / "step-4")
     out = run_maester(["train", str(job), "--training.steps=6", "--checkpoint.verify=full"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"{shard.name}: CRC-32" in out.stderr
+    assert f"{shard.name}: XXH3-128" in out.stderr
     assert losses_after(job, 2) == from_step_2
 
 
@@ -162,4 +163,4 @@ def test_checkpoint_verify_command(trained, tmp_path):
     sized = run_maester(["checkpoint", "verify", str(job), "--level", "size"], cwd=tmp_path)
     assert sized.returncode == 0  # a flipped byte keeps the size
     full = run_maester(["checkpoint", "verify", str(job / "checkpoints" / "step-2")], cwd=tmp_path)
-    assert full.returncode == 1 and f"{shard}: CRC-32" in full.stdout, full.stdout + full.stderr
+    assert full.returncode == 1 and f"{shard}: XXH3-128" in full.stdout, full.stdout + full.stderr

@@ -12,6 +12,7 @@ import torch
 
 from maester.config import load_config
 from maester.config_base import ConfigError
+from maester.train.metrics_file import read_events
 from tests.helpers import tiny_overrides
 
 BROKEN_TASK = """task: broken_task
@@ -27,9 +28,10 @@ doc_to_target: label
 
 
 def broken_task(directory) -> str:
-    """A task file whose data file does not exist: it fails when it loads."""
+    """A task file and its data file, `missing.jsonl`: once that is removed, the task fails when it loads."""
     path = directory / "broken.yaml"
     path.write_text(BROKEN_TASK.format(missing=directory / "missing.jsonl"))
+    (directory / "missing.jsonl").write_text(json.dumps({"question": "q", "choices": ["a", "b"], "label": 0}) + "\n")
     return str(path)
 
 
@@ -54,10 +56,12 @@ def test_tasks_are_logged_a_failing_one_too_and_their_time_is_not_the_steps(corp
                                            evaluation__tasks=tasks, evaluation__interval=2, evaluation__limit=40, training__cpu_threads=1,
                                            logging__tensorboard__enabled="true"), environ={})
     write_job_dir(cfg)
-    assert Trainer(cfg, cfg.job_dir).train().step == 3  # the failing task raised nothing out of the loop
+    trainer = Trainer(cfg, cfg.job_dir)  # the tasks are built once here, the broken one with its data
+    (tmp_path / "missing.jsonl").unlink()  # which is gone when it is evaluated
+    assert trainer.train().step == 3  # the failing task raised nothing out of the loop
     assert reported == []
     lines = [json.loads(line) for line in (cfg.job_dir / "metrics.jsonl").read_text().splitlines()]
-    failed = [r for r in lines if r.get("event") == "eval_failed"]
+    failed = [r for r in read_events(cfg.job_dir) if r["event"] == "eval_failed"]
     assert [r["step"] for r in failed] == [2, 3]
     assert all(r["task"].endswith("broken.yaml") and "missing.jsonl" in r["error"] for r in failed)
     evals = [r for r in lines if "eval/seconds" in r]
@@ -124,7 +128,7 @@ def test_on_a_gpu_in_bf16_the_loop_and_the_command_evaluate(corpus, tmp_path, mo
     write_job_dir(cfg)
     Trainer(cfg, cfg.job_dir).train()
     lines = [json.loads(line) for line in (cfg.job_dir / "metrics.jsonl").read_text().splitlines()]
-    assert not [r for r in lines if r.get("event") == "eval_failed"]
+    assert not [r for r in read_events(cfg.job_dir) if r["event"] == "eval_failed"]
     evals = [r for r in lines if "eval/seconds" in r]
     assert [r["step"] for r in evals] == [2] and "eval/pydoc_complete/exact_match" in evals[0]
     run_eval([cfg.job_dir, "--tasks", "pydoc_choice,pydoc_complete", "--limit", "8", "--device", "cuda",

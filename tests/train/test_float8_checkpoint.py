@@ -42,7 +42,7 @@ def float8_run(tmp_path_factory):
                                            checkpoint__async_mode="async", **FLOAT8, **RUN), environ={})
     trainer = Trainer(cfg, cfg.job_dir)
     trainer.train()
-    events = (cfg.job_dir / "metrics.jsonl").read_text()
+    events = (cfg.job_dir / "events.jsonl").read_text()
     assert '"checkpoint": "step-2", "background": true' in events
     return trainer, cfg.job_dir, [r["loss"] for r in read_metrics(cfg.job_dir / "metrics.jsonl")], corpus
 

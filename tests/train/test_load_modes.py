@@ -13,7 +13,7 @@ import torch
 
 from maester.config import LOAD_MODES, CheckpointConfig, ConfigError, load_config
 from maester.train.checkpoint import resolve_checkpoint
-from maester.train.checkpoint_files import load_model_weights
+from maester.train.checkpoint_reader import load_model_weights
 from maester.train.metrics import read_metrics
 from maester.train.trainer import Trainer, write_seed_checkpoint
 from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, torchrun, write_corpus

@@ -11,8 +11,11 @@ import torch
 
 from maester.config import ModelConfig
 from maester.models.build import build_on_meta, count_parameters, resolve_args
+from maester.train.metrics_file import check_event, check_row, read_events, schema_markdown
 from maester.train.metrics import (PEAK_FLOPS, MetricsWriter, device_peak_flops, flops_per_token,
                                    matmul_parameters, model_flops_per_token, peak_flops, read_metrics)
+
+from tests.helpers import REPO
 
 
 def meta_model(**overrides):
@@ -135,7 +138,7 @@ def test_peak_flops_falls_back_to_the_rocm_architecture(name, arch, expected):
 
 
 def test_no_mfu_on_the_cpu_says_so(caplog):
-    """The README promises a warning where mfu is null."""
+    """docs/observability.md promises a warning where mfu is null."""
     with caplog.at_level(logging.WARNING, logger="maester"):
         assert device_peak_flops(torch.device("cpu")) is None
     assert "MFU is not reported on cpu: there is no peak-FLOPs figure for it" in caplog.text
@@ -206,7 +209,7 @@ def test_metrics_writer_drops_a_partial_trailing_line_before_appending(tmp_path)
     path = tmp_path / "job" / "metrics.jsonl"
     path.parent.mkdir()
     path.write_text(json.dumps(record(1)) + "\n" + json.dumps(record(2)) + "\n" + '{"step": 3, "loss": 0.')
-    writer = MetricsWriter(path)
+    writer = MetricsWriter(path.parent)
     # The partial line is gone as soon as the writer opens the file.
     assert path.read_text() == json.dumps(record(1)) + "\n" + json.dumps(record(2)) + "\n"
     logger, handler = logging.getLogger("maester"), ListHandler()
@@ -233,14 +236,70 @@ def test_metrics_writer_drops_a_partial_trailing_line_before_appending(tmp_path)
 def test_metrics_writer_on_a_lone_partial_line_and_a_new_file(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "lo')
-    MetricsWriter(path).close()
-    assert path.read_text() == ""
+    (tmp_path / "events.jsonl").write_text('{"event": "stop", "st')
+    MetricsWriter(tmp_path).close()
+    assert path.read_text() == "" and (tmp_path / "events.jsonl").read_text() == ""
     fresh = tmp_path / "new" / "dir" / "metrics.jsonl"
-    writer = MetricsWriter(fresh)
+    writer = MetricsWriter(fresh.parent)
     writer.write(record(7))
     writer.close()
     assert [r["step"] for r in read_metrics(fresh)] == [7]
     # A complete file is left as it is.
     before = fresh.read_text()
-    MetricsWriter(fresh).close()
+    MetricsWriter(fresh.parent).close()
     assert fresh.read_text() == before
+
+
+def test_a_step_is_one_row_with_its_evaluations_and_events_have_their_own_file(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write(record(2))
+    writer.write_event({"event": "stop", "step": 2, "reason": "SIGTERM", "checkpoint": "step-2", "time": "now"})
+    writer.write_eval({"step": 2, "val_loss": 4.2, "val_perplexity": 66.7})
+    writer.write_downstream({"step": 2, "eval/pydoc_choice/acc": 0.5, "eval/seconds": 1.0})
+    writer.end_step()
+    writer.write(record(3))
+    with pytest.raises(ValueError, match="step 4's evaluation has no training row"):
+        writer.write_eval({"step": 4, "val_loss": 1.0})
+    writer.close()  # writes step 3's row
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["loss"] for r in rows} == {2: 1.0, 3: 1.0}  # a table: every row has its loss
+    assert rows[0]["val_loss"] == 4.2 and rows[0]["eval/pydoc_choice/acc"] == 0.5
+    assert [e["event"] for e in read_events(tmp_path)] == ["stop"]
+
+
+def test_events_of_an_older_job_in_metrics_jsonl_are_read_first(tmp_path):
+    """A job written before events.jsonl kept its events between the rows: read_metrics skips them, read_events
+    takes them before the new file's."""
+    old = [record(1), {"event": "checkpoint", "step": 1, "checkpoint": "step-1", "background": False,
+                       "checkpoint_blocked_seconds": 0.1}, record(2), {"step": 2, "val_loss": 3.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    writer = MetricsWriter(tmp_path)
+    writer.write(record(3))
+    writer.write_event({"event": "load", "step": 2, "checkpoint": "step-1", "mode": "continue"})
+    writer.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert [(e["event"], e["step"]) for e in read_events(tmp_path)] == [("checkpoint", 1), ("load", 2)]
+
+
+def test_the_schema_refuses_what_it_does_not_document(tmp_path, monkeypatch):
+    assert check_row(record(1)) == [] and check_row({"step": 1, "lr/decay": 0.1, "eval/x/acc": None}) == []
+    assert check_row({"step": 1, "losss": 1.0}) == ["'losss' is not a documented field"]
+    assert check_row({"step": 1, "loss": "low"}) == ["loss = 'low' is not a number or null"]
+    assert check_row({"event": "stop", "step": 1})[0].startswith("a row needs")
+    assert check_event({"event": "stop", "step": 1, "reason": "x", "checkpoint": "step-1", "time": "t"}) == []
+    assert check_event({"event": "stop", "step": 1, "reason": "x", "time": "t"}) == ["stop: 'checkpoint' is missing"]
+    assert check_event({"event": "nap", "step": 1})[0].startswith("event 'nap' is not one of")
+    monkeypatch.setenv("_MAESTER_CHECK_RECORDS", "1")
+    writer = MetricsWriter(tmp_path)
+    with pytest.raises(ValueError, match="not a documented field"):
+        writer.write_event({"event": "load", "step": 1, "checkpoint": "c", "mode": "continue", "extra": 1})
+    writer.write({**record(1), "losss": 2.0})
+    with pytest.raises(ValueError, match="'losss' is not a documented field"):
+        writer.close()
+
+
+def test_docs_show_the_schema():
+    """docs/observability.md holds `schema_markdown()` between its markers, so the page cannot drift."""
+    page = (REPO / "docs" / "observability.md").read_text()
+    begin, end = "<!-- schema: generated by maester.train.metrics_file.schema_markdown -->", "<!-- schema end -->"
+    assert page[page.index(begin) + len(begin):page.index(end)].strip() == schema_markdown().strip()

@@ -134,7 +134,7 @@ def test_stop_file_then_sigterm_then_resume_gives_the_uninterrupted_losses(corpu
     assert json.loads((job / COMPLETED_FILE).read_text())["step"] == STEPS
     assert not (job / REQUEUE_FILE).exists()  # the request was served by this run
     # each stop is an event line, which `maester status` counts
-    stops = [(e["step"], e["reason"], e["checkpoint"]) for e in read_events(job / "metrics.jsonl")
+    stops = [(e["step"], e["reason"], e["checkpoint"]) for e in read_events(job)
              if e["event"] == "stop"]
     assert stops == [(1, STOP_FILE, "step-1"), (stopped_at, "SIGTERM", f"step-{stopped_at}")]
 

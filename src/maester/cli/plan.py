@@ -20,7 +20,8 @@ def add_plan(sub, name: str) -> None:
     p.add_argument("--gpu", help="the GPU model: its memory and peak FLOPs come from maester's MFU table (h100, "
                                  "h100-nvl, h200, a100, b200, mi250x, mi300x, ...; default: slurm.gpu, else mi250x "
                                  "with the lumi template, else h100)")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="the device memory in GiB, instead of the table's")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="the device memory in GiB as torch reports it "
+                                                                    "(total_memory), instead of the table's")
     p.add_argument("--mfu", type=float, help="model FLOPs utilisation for the time estimate, e.g. 0.4 (default: "
                                               "a published figure, named in the output)")
     p.add_argument("--ranks", choices=("one", "all"), default="one",

@@ -45,18 +45,21 @@ def add_generate(sub, name: str) -> None:
 def load_completer(args, chat: bool, needs_template: bool):
     """The model of `args.target` on this process's device and dtype (sharded over the processes of torchrun) in a
     Completer with the sampling options (`chat`: text prompts are sent as user messages; `needs_template`: some
-    prompt is answered in the chat template); returns it and this process's rank."""
-    from maester.tools.generate import Completer, load_for_inference, start_inference
+    prompt is answered in the chat template); returns it and this process's rank. Rank 0 says which checkpoint (or
+    HF model) it read, on stderr."""
+    from maester.tools.generate import Completer, read_for_inference, start_inference
     from maester.tools.hf_dir import is_hf_model_dir
     from maester.models.sampling import check_sampling
 
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before loading
     device, dtype, tp_mesh, rank = start_inference(args.device, args.dtype)
-    model, tokenizer, cfg = load_for_inference(args.target, device, dtype, tp_mesh)
-    if needs_template and is_hf_model_dir(args.target) and cfg.data.sft.template != "jinja":
+    loaded = read_for_inference(args.target, device, dtype, tp_mesh)
+    if rank == 0:
+        print(f"sampling from {loaded.describe()}", file=sys.stderr, flush=True)
+    if needs_template and is_hf_model_dir(args.target) and loaded.cfg.data.sft.template != "jinja":
         raise ValueError(f"{args.target}: chat uses the model's chat template, but its tokenizer_config.json has no "
                          f"chat_template (and there is no chat_template.jinja)")
-    completer = Completer(model, tokenizer, cfg, chat=chat, max_new_tokens=args.max_new_tokens,
+    completer = Completer(loaded.model, loaded.tokenizer, loaded.cfg, chat=chat, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return completer, rank
 
@@ -69,19 +72,26 @@ def run_generate(args) -> None:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     completer, rank = load_completer(args, args.chat, args.chat or any(p.messages is not None for p in prompts))
     try:
+        if not args.prompts_file:  # one prompt: its text as it is generated, as chat shows it
+            write = _to_stdout if rank == 0 else (lambda text: None)
+            write(args.prompt if not args.chat else "")
+            completer.stream(prompts[0], write)
+            write("\n")
+            return
         outs = completer.complete_batch(prompts, args.batch_size)
         if rank == 0:
-            print_results(prompts, outs, args.prompt if not args.prompts_file and not args.chat else None)
+            print_results(prompts, outs)
     finally:
         _leave_process_group()
 
 
-def print_results(prompts, outs: list[str], continued: str | None) -> None:
-    """A single prompt's text and continuation (`continued`: the prompt text, None for an answer), or each result
-    of a prompts file under its prompt."""
-    if len(prompts) == 1 and prompts[0].where == "--prompt":
-        print(outs[0] if continued is None else continued + outs[0])
-        return
+def _to_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def print_results(prompts, outs: list[str]) -> None:
+    """Each result of a prompts file under its prompt."""
     for prompt, out in zip(prompts, outs):
         shown = ([f"{m['role']}: {m['content']}" for m in prompt.messages] if prompt.messages is not None
                  else [prompt.text])
@@ -125,7 +135,7 @@ def add_eval(sub, name: str) -> None:
     p.add_argument("--tasks", required=True, metavar="T1,T2",
                    help="lm-eval task, group or tag names, or task YAML files (path ending in .yaml); the shipped "
                         "offline tasks are pydoc_choice and pydoc_complete")
-    p.add_argument("--limit", type=_limit, default=None, metavar="N",
+    p.add_argument("--limit", default=None, metavar="N",
                    help="at most N documents per task (below 1: that share of them)")
     p.add_argument("--batch-size", type=int, default=8, help="requests per forward on each process (default: 8)")
     p.add_argument("--num-fewshot", type=int, default=None, metavar="K",
@@ -145,15 +155,18 @@ def add_eval(sub, name: str) -> None:
                    help="the dtype the weights are loaded and run in (auto: bfloat16 on a GPU, float32 on the CPU)")
 
 
-def _limit(text: str) -> float:
-    import argparse
+def eval_limit(text: str | None) -> int | float | None:
+    """`--limit`: a number of documents, or a share of them below 1."""
+    import math
 
+    if text is None:
+        return None
     try:
         value = float(text)
     except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of documents (or a share below 1), got {text!r}")
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--limit {text!r}: expected a positive number of documents (or a share of them below 1)")
     return int(value) if value >= 1 and value == int(value) else value
 
 
@@ -171,8 +184,11 @@ def run_eval(args) -> None:
         raise ValueError("give the job, checkpoint or HF model directory to evaluate (or --download-only)")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot {args.num_fewshot}: give 0 or more few-shot examples")
+    limit = eval_limit(args.limit)
     try:
-        results = evaluate_target(args.target, tasks, limit=args.limit, batch_size=args.batch_size,
+        results = evaluate_target(args.target, tasks, limit=limit, batch_size=args.batch_size,
                                   num_fewshot=args.num_fewshot, output=args.output, device=args.device,
                                   dtype=args.dtype, include_paths=args.include_path, log_samples=args.log_samples)
         if results is not None:
@@ -232,17 +248,17 @@ def run_convert(args) -> None:
 def add_checkpoint(sub, name: str) -> None:
     p = sub.add_parser(name, help="checkpoint tools: verify")
     ksub = p.add_subparsers(dest="checkpoint_command", required=True, metavar="ACTION")
-    q = ksub.add_parser("verify", help="check checkpoints against their manifests (every file's size and CRC-32); "
-                                       "exit 0 when all are intact, 1 when one is damaged")
+    q = ksub.add_parser("verify", help="check checkpoints against their manifests (every file's size and checksum); "
+                                       "exit 0 when none is damaged, 1 when one is")
     q.add_argument("target", help="a job directory, its checkpoints/ directory or one checkpoint")
     q.add_argument("--level", choices=("size", "full"), default="full",
-                   help="size: compare file sizes only; full (default): also read every file for its CRC-32")
+                   help="size: compare file sizes only; full (default): also read every file for its checksum")
 
 
 def run_checkpoint(args) -> None:
     from pathlib import Path
 
-    from maester.train.checkpoint_files import step_dirs, verify_checkpoint
+    from maester.train.checkpoint_files import step_dirs, unverified, verify_checkpoint
 
     target = Path(args.target)
     if (target / ".metadata").is_file() or (target / "manifest.json").is_file():
@@ -252,13 +268,16 @@ def run_checkpoint(args) -> None:
     if not checkpoints:
         raise FileNotFoundError(f"no checkpoint at {target} (looked for a checkpoint, and for step-N directories in "
                                 f"it and in its checkpoints/)")
-    damaged = 0
+    damaged = unchecked = 0
     for path in checkpoints:
         problems = verify_checkpoint(path, args.level)
-        damaged += bool(problems)
-        print(f"{path}: {'DAMAGED' if problems else 'intact'}" + "".join(f"\n  {p}" for p in problems))
-    print(f"{len(checkpoints)} checkpoint(s) checked ({args.level}): {len(checkpoints) - damaged} intact, "
-          f"{damaged} damaged")
+        old = not problems and unverified(path)
+        damaged, unchecked = damaged + bool(problems), unchecked + old
+        verdict = "DAMAGED" if problems else ("unverified: no manifest (written before manifests existed); only its "
+                                              ".metadata and trainer_state.json were checked" if old else "intact")
+        print(f"{path}: {verdict}" + "".join(f"\n  {p}" for p in problems))
+    print(f"{len(checkpoints)} checkpoint(s) checked ({args.level}): {len(checkpoints) - damaged - unchecked} intact, "
+          f"{damaged} damaged" + (f", {unchecked} unverified" if unchecked else ""))
     if damaged:
         sys.exit(exit_codes.CHECK_FAILED)
 

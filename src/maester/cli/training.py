@@ -123,6 +123,9 @@ def add_submit(sub, name: str) -> None:
     p.add_argument("--after", metavar="JOBID", help="the first job waits for this SLURM job to end")
     p.add_argument("--force", action="store_true",
                    help="submit even when the plan made first predicts the job runs out of GPU memory")
+    p.add_argument("--update-config", action="store_true",
+                   help="the job exists and this config changes it: replace its config.json all the same (the "
+                        "changes are listed; a job with a checkpoint keeps its model), as `maester train CONFIG` does")
     p.add_argument("--then", action="append", default=[], metavar="COMMAND",
                    help="a post-processing command, run once in a job of its own when training completes (adds to "
                         "slurm.after; repeat for more), e.g. --then 'maester convert to-hf \"$JOB_DIR\" out/hf'")
@@ -131,7 +134,7 @@ def add_submit(sub, name: str) -> None:
 def run_submit(args) -> None:
     from maester.cli.plan import plan_before_submit
     from maester.config import load_config
-    from maester.jobs.job_dir import locked_for_writing, write_job_dir
+    from maester.jobs.job_dir import config_changes, locked_for_writing, write_job_dir
     from maester.jobs.slurm import SubmitError, check_inputs, render_slurm_script, submit_job
     from maester.plan.record import write_plan
 
@@ -152,8 +155,11 @@ def run_submit(args) -> None:
     problems = check_inputs(cfg)
     if problems:
         raise SubmitError("the job would fail on the cluster:\n  " + "\n  ".join(problems))
-    plan = plan_before_submit(cfg, force=args.force)  # a GPU job predicted to run out of memory stops here
     with locked_for_writing(cfg.job_dir, "submit"):
+        changes = config_changes(cfg, cfg.job_dir, args.update_config)
+        plan = plan_before_submit(cfg, force=args.force)  # a GPU job predicted to run out of memory stops here
+        if changes:
+            print(f"updating {cfg.job_dir / 'config.json'}: {', '.join(changes)}", file=sys.stderr)
         job_dir = write_job_dir(cfg)
         if plan is not None:
             write_plan(job_dir, plan)

@@ -7,9 +7,10 @@ import contextlib
 import json
 
 
-def run_tasks(lm, specs: list[str], manager, *, limit: float | None = None, num_fewshot: int | None = None,
+def run_tasks(lm, specs: list, manager, *, limit: float | None = None, num_fewshot: int | None = None,
               log_samples: bool = False, bootstrap_iters: int = 100_000, environment: bool = True) -> dict | None:
-    """lm-eval's results of `specs` on `lm` (seeds, few-shot handling and metrics as `lm_eval` sets them), or
+    """lm-eval's results of `specs` (task names, or the objects `task_specs.load_tasks` built) on `lm` (seeds,
+    few-shot handling and metrics as `lm_eval` sets them), or
     None on a process other than the first of its node, where lm-eval reports nothing. `limit`: documents per task
     (below 1: a share of them). `environment=False` leaves out the environment report (see below)."""
     from lm_eval import simple_evaluate

@@ -7,6 +7,7 @@ honours `HF_DATASETS_OFFLINE`, `HF_HUB_OFFLINE`, `HF_HOME` and `HF_DATASETS_CACH
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from pathlib import Path
 
@@ -45,3 +46,89 @@ def task_manager(specs: list[str], where: str, include_paths: list[str] = ()):
             raise ValueError(f"{where}: {name!r} is no lm-eval task, group or tag, nor a task file ending in .yaml "
                              f"({hint})")
     return manager
+
+
+def load_tasks(manager, specs: list[str], where: str) -> list:
+    """lm-eval's objects (tasks and groups) of every one of `specs`, each built with its data read and its first
+    document rendered through its templates, so that a task file that does not parse, a template or metric that
+    lm-eval refuses, or a Hub dataset missing offline is an error naming the task and `where` before any model is
+    loaded. The objects can be evaluated as they are (`simple_evaluate` takes them)."""
+    built = []
+    for spec in specs:
+        with _lm_eval_warnings() as warnings:
+            try:
+                loaded = manager.load([spec])
+                for task in loaded["tasks"].values():
+                    _render_first_document(task)
+            except Exception as e:  # a task file is code (its !function), whatever it raises is its error
+                raise ValueError(_task_error(spec, where, e, warnings)) from None
+        children = {name for names in loaded["group_map"].values() for name in names}
+        groups = [group for name, group in loaded["groups"].items() if name not in children]
+        grouped = {task.task_name for group in groups for task in group.get_all_tasks()}
+        built += groups + [task for name, task in loaded["tasks"].items() if name not in grouped]
+    return built
+
+
+class TemplateFailed(Exception):
+    """A task's template failed on its first document: `field` is the task key that holds it."""
+
+    def __init__(self, task: str, field: str, error: Exception):
+        super().__init__(f"the task {task}'s {field} fails on its first document: {error}")
+
+
+def _render_first_document(task) -> None:
+    docs = task.eval_docs
+    if not len(docs):
+        return
+    choices = getattr(task.config, "output_type", None) == "multiple_choice"
+    fields = ["doc_to_text", "doc_to_target"] + (["doc_to_choice"] if choices else [])
+    for field in fields:
+        try:
+            getattr(task, field)(docs[0])
+        except Exception as e:
+            raise TemplateFailed(task.task_name, field, e) from e
+
+
+def _task_error(spec: str, where: str, error: Exception, warnings: list[str]) -> str:
+    import jinja2
+    import yaml
+
+    if isinstance(error, yaml.MarkedYAMLError):
+        mark = error.problem_mark or error.context_mark
+        return (f"{where}: {mark.name}: cannot be read as YAML at line {mark.line + 1}, column {mark.column + 1}: "
+                f"{error.problem or error.context}")
+    if isinstance(error, ConnectionError):
+        from datasets import config
+
+        return (f"{where}: {spec}: its data is not in the Hugging Face cache ({config.HF_DATASETS_CACHE}) and the Hub "
+                f"cannot be reached ({_first_line(error)}): run `maester eval --download-only --tasks {spec}` where "
+                f"there is internet, with the HF_HOME of this machine (docs/evaluation.md, nodes without internet)")
+    if isinstance(error, TemplateFailed):
+        return f"{where}: {spec}: {_first_line(error)}"
+    if isinstance(error, jinja2.TemplateError):
+        return f"{where}: {spec}: a template of the task fails: {type(error).__name__}: {_first_line(error)}"
+    said = f" (lm-eval warned: {warnings[-1]})" if warnings and isinstance(error, KeyError) else ""
+    return f"{where}: {spec}: lm-eval cannot build the task: {type(error).__name__}: {_first_line(error)}{said}"
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+@contextlib.contextmanager
+def _lm_eval_warnings():
+    """The warnings lm-eval logs meanwhile (a metric it does not know is named in a warning before its KeyError)."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(_first_line(Exception(record.getMessage())))
+
+    handler, logger = Keep(logging.WARNING), logging.getLogger("lm_eval")
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)

@@ -56,6 +56,30 @@ def write_job_dir(cfg: Config, job_dir: Path | None = None) -> Path:
     return job_dir
 
 
+def config_changes(cfg: Config, job_dir: Path, update: bool) -> list[str]:
+    """What `cfg` changes in the config.json of the existing job `job_dir` (nothing for a new job), for `maester
+    submit`: refused unless `update` (--update-config), and a change of the model refused even then where the job
+    has a checkpoint, which it could not resume from. Where the job directory lies (`job.dump_dir`) is no change."""
+    from maester.train.checkpoint_dirs import newest_complete
+
+    if not is_job_dir(job_dir):
+        return []
+    saved, new = Config.from_json_file(job_dir / CONFIG_FILE).model_dump(mode="json"), cfg.model_dump(mode="json")
+    for values in (saved, new):
+        values["job"].pop("dump_dir", None)
+    changed = sorted(_diff(saved, new))
+    checkpoint = newest_complete(job_dir / "checkpoints")
+    model = [change for change in changed if change.startswith("model.")]
+    if model and checkpoint is not None:
+        raise ValueError(f"{job_dir} has a checkpoint ({checkpoint.name}) of the model in its config.json, and this "
+                         f"config changes the model ({', '.join(model)}): the job could not resume. Give this "
+                         f"config a job of its own (another name)")
+    if changed and not update:
+        raise ValueError(f"{job_dir} exists, and this config changes its config.json ({', '.join(changed)}): give "
+                         f"it another name for a new job, or pass --update-config to go on with these values")
+    return changed
+
+
 def _workdir_of(script: Path) -> Path | None:
     """The directory an existing job script changes to (where the job was created from): a run started from
     elsewhere keeps it. None for a new job (the current directory)."""

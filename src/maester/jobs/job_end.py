@@ -2,7 +2,8 @@
 (not for a stop for a requeue, which the script handles itself). Prints one line; exits with the status the job
 should end with.
 
-- A failure (STATUS not 0): restart the job (`scontrol requeue`, else `sbatch` of the script again), resuming from
+- A failure (STATUS not 0): restart the job (`scontrol requeue`; nothing more when SLURM already requeued it after a
+  node failed; else `sbatch` of the script again), resuming from
   `latest`, while `slurm.max_restarts` allows, unless the cause is never retried (`exit_codes.NOT_RETRIED`: a bad
   config or input, a non-finite loss, Ctrl-C). The cause is the first failed rank's exit code from `<job>/failure`
   (written by `maester.jobs.torchrun`), else STATUS. Each restart is a line of `slurm_jobs.jsonl`.
@@ -24,10 +25,15 @@ from maester import exit_codes
 from maester.config import Config
 from maester.files import create_new, write_atomically
 from maester.jobs.slurm import (AFTER_SCRIPT, SubmitError, recorded_jobs, record_job, restarts_since_submission,
-                                sbatch)
+                                sbatch, slurm_state)
 from maester.jobs.torchrun import FAILURE_FILE
+from maester.train.metrics_file import append_event
 
 AFTER_MARKER = "after-submitted"
+REQUEUED_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
+"""The states of a job that SLURM has put back in the queue: after a node of a `--requeue` job failed, SLURM requeues
+it while its script still runs on the nodes that are left, and `scontrol requeue` then fails with "Job is pending
+execution"."""
 
 
 def job_end(job_dir: Path, status: int, job_id: str) -> int:
@@ -81,10 +87,15 @@ def restart(job_dir: Path, cfg: Config, status: int, job_id: str) -> int:
     requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     if requeue.returncode == 0:
         new_id, how = job_id, "requeued"
+    elif "pending" in requeue.stderr.lower() or slurm_state(job_id) in REQUEUED_STATES:
+        # SLURM requeued it itself (a node failed): no second job
+        new_id, how = job_id, "requeued by SLURM"
     else:
         new_id, how = sbatch(job_dir / "slurm.sh"), "resubmitted"
         print(f"scontrol requeue {job_id} failed ({requeue.stderr.strip()}): submitted job {new_id} instead")
     record_job(job_dir, {"job_id": new_id, **record})
+    append_event(job_dir, {**{k: v for k, v in record.items() if v is not None}, "step": record["step"] or 0,
+                           "job_id": new_id, "how": how})
     print(f"training failed with exit code {code} ({name}) on rank {cause.get('rank', '?')}: restart {done + 1} of "
           f"{allowed}, {how} as job {new_id}, resuming from step {record['step'] or 0}")
     return 0

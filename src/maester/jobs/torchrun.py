@@ -5,6 +5,9 @@ script runs it on each node, ending the way a job script can read.
   128 + its number: 2 is a bad config, 3 a stop for a requeue, 137 a rank killed (see `maester.exit_codes`).
 - It writes that first failure to `<job>/failure` (JSON: exit_code, cause, rank, host, time), unless a node's
   launcher already did: the job script reads it to decide on a restart (`maester.jobs.job_end`).
+- Several nodes meeting at a loopback address (`--rdzv_endpoint=localhost:...`, `127.0.0.1`, `::1`) is refused with
+  exit 2 before any training: each node would reach only itself, and the nodes would wait for each other until
+  the rendezvous timed out.
 - Instead of torchrun's `ChildFailedError` traceback and its per-process lines, a failure is one line naming
   the rank and the cause (the rank's own traceback, if it had one, is in the log above it), and a stop for a
   requeue adds nothing to the trainer's own line: it reads as the clean stop it is.
@@ -56,6 +59,28 @@ def _job_dir(args) -> Path:
     return Path(args.training_script_args[-1])
 
 
+def loopback_rendezvous(args) -> str | None:
+    """Why a rendezvous of several nodes cannot work from its endpoint alone (None: it can): a loopback name or
+    address, which on every node means that node itself."""
+    import ipaddress
+
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    most = str(args.nnodes).split(":")[-1]
+    if not most.isdigit() or int(most) < 2 or not args.rdzv_endpoint:
+        return None
+    host = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[0].lower()
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost" or host.startswith("localhost.")
+    if not loopback:
+        return None
+    return (f"--rdzv_endpoint={args.rdzv_endpoint} is each node's own loopback, so the nodes of --nnodes={args.nnodes} "
+            f"would never meet: use the first node's hostname (`scontrol show hostnames \"$SLURM_JOB_NODELIST\" | "
+            f"head -n 1`, the job script's MASTER_ADDR)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -63,10 +88,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = torchrun.parse_args(argv)
     job_dir = _job_dir(args)
+    host = socket.gethostname()
+    refused = loopback_rendezvous(args)
+    if refused:
+        print(f"torchrun on {host}: {refused}", file=sys.stderr)
+        record_failure(job_dir, {"exit_code": exit_codes.BAD_INPUT, "cause": exit_codes.name_of(exit_codes.BAD_INPUT),
+                                 "rank": None, "host": host})
+        return exit_codes.BAD_INPUT
     # torchrun's lines as a worker ends ("failed (exitcode: 3) local_rank: 0", "Sending process N closing signal
     # SIGTERM") say, for each process, what the one line below says.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    host = socket.gethostname()
     try:
         torchrun.run(args)
     except ChildFailedError as e:

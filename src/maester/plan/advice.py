@@ -60,10 +60,11 @@ def candidates(cfg: Config, gpus: int) -> list[list[tuple[str, Config, str]]]:
     return out
 
 
-def alternatives(cfg: Config, gpus: int, memory_gib: float, usable: float,
+def alternatives(cfg: Config, gpus: int, limit_gib: float,
                  peak_of: Callable[[Config], float]) -> list[Alternative]:
-    """For each kind of change, the first step whose plan (`peak_of`, in GiB) fits `usable` of `memory_gib`, or its
-    last step when none does; steps the layout refuses (e.g. a tp that does not divide the heads) are passed over."""
+    """For each kind of change, the first step whose plan (`peak_of`, in GiB) fits: a peak of at most `limit_gib`;
+    or its last step when none does; steps the layout refuses (e.g. a tp that does not divide the heads) are passed
+    over."""
     found = []
     for steps in candidates(cfg, gpus):
         last = None
@@ -72,7 +73,7 @@ def alternatives(cfg: Config, gpus: int, memory_gib: float, usable: float,
                 peak = peak_of(changed)
             except ValueError:  # this layout cannot run at all
                 continue
-            last = Alternative(override, peak, peak <= usable * memory_gib, cost)
+            last = Alternative(override, peak, peak <= limit_gib, cost)
             if last.fits:
                 break
         if last is not None:

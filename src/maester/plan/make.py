@@ -10,12 +10,10 @@ import torch
 
 from maester.config import Config
 from maester.plan.advice import Alternative, alternatives
+from maester.plan.checkpoint_host import CheckpointHost, checkpoint_host
+from maester.plan.device import TIGHT_GIB, DeviceMemory, Verdict, device_memory, verdict
 from maester.plan.memory import GiB, StepMemory, plan_config, predict_rank_memory, vocab_size
 from maester.plan.throughput import Throughput, predict_throughput
-
-USABLE = 0.90
-"""The share of a device's memory a run can count on: the CUDA context, the communication library's buffers and
-the allocator's fragmentation take the rest."""
 
 NOTES = [
     "blocks traced eagerly: compiled blocks can keep less (Inductor recomputes cheap ops), so with parallel.compile "
@@ -24,17 +22,9 @@ NOTES = [
     "a mixture of experts counted with balanced routing: a collapsed router loads one rank's experts with more "
     "tokens",
 ]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    kind: str  # "fits", "tight" or "out_of_memory"
-    line: str
-
-
-def gib_text(value: float) -> str:
-    """GiB as the plan prints them: two decimals below 10."""
-    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+FLOAT8_ROWS = ("float8: torch's memory trackers file the storages of torchao's float8 tensors under the wrong "
+               "rows (activations show as gradients), so the rows are approximate; their sum, the peak, still counts "
+               "every storage")
 
 
 def hours_text(value: float) -> str:
@@ -42,31 +32,19 @@ def hours_text(value: float) -> str:
     return f"{value:,.{0 if value >= 10 else 2}f}"
 
 
-def verdict(peak_gib: float, memory_gib: float) -> Verdict:
-    usable, peak = USABLE * memory_gib, gib_text(peak_gib)
-    share = f"{100 * USABLE:.0f}%"
-    if peak_gib <= usable:
-        return Verdict("fits", f"fits, with {gib_text(usable - peak_gib)} GiB of headroom: peak {peak} GiB of the "
-                               f"{gib_text(usable)} GiB a run can count on ({share} of {memory_gib:g} GiB)")
-    if peak_gib <= memory_gib:
-        return Verdict("tight", f"tight: peak {peak} GiB is within the device's {memory_gib:g} GiB but above the "
-                                f"{gib_text(usable)} GiB ({share}) a run can count on; it may run out")
-    return Verdict("out_of_memory", f"runs out of memory by {gib_text(peak_gib - memory_gib)} GiB: peak {peak} GiB "
-                                    f"of {memory_gib:g} GiB")
-
-
 @dataclass
 class Plan:
     source: str
     gpus: int
     gpu: str
-    gpu_memory_gib: float
+    device: DeviceMemory
     peak_flops: float
     layout: str
     memory: StepMemory
     """Rank 0's: every rank holds the same (FSDP, TP, CP and EP shard evenly)."""
     verdict: Verdict
     throughput: Throughput
+    checkpoint_host: CheckpointHost
     alternatives: list[Alternative] = field(default_factory=list)
     notes: list[str] = field(default_factory=lambda: list(NOTES))
 
@@ -77,12 +55,13 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "config": self.source, "torch": torch.__version__, "gpus": self.gpus, "gpu": self.gpu,
-            "gpu_memory_gib": self.gpu_memory_gib, "peak_flops": self.peak_flops, "layout": self.layout,
-            "memory_gib": self.memory.to_json(),
-            "peak_gib": self.peak_gib, "usable_gib": USABLE * self.gpu_memory_gib,
+            "gpu_memory_gib": self.device.total_gib, "device_memory": self.device.to_json(),
+            "peak_flops": self.peak_flops, "layout": self.layout, "memory_gib": self.memory.to_json(),
+            "peak_gib": self.peak_gib, "usable_gib": self.device.usable_gib,
             "verdict": {"kind": self.verdict.kind, "line": self.verdict.line},
             "alternatives": [a.to_json() for a in self.alternatives],
-            "throughput": self.throughput.to_json(), "notes": self.notes,
+            "throughput": self.throughput.to_json(), "checkpoint_host": self.checkpoint_host.to_json(),
+            "notes": self.notes,
         }
 
 
@@ -112,23 +91,24 @@ def predicted_peak_gib(cfg: Config, gpus: int, device_type: str = "cuda") -> flo
 def make_plan(cfg: Config, gpus: int, gpu: str, *, source: str = "", mfu: float | None = None,
               gpu_memory: float | None = None, advise: bool = True, gpu_from: str = "--gpu") -> Plan:
     """Plan `cfg` on `gpus` GPUs named `gpu` (`maester.train.metrics.gpu_named`; `gpu_from` names the setting it
-    came from); `gpu_memory` (GiB) overrides the table's; `advise`: when it does not fit comfortably, plan the
-    alternatives too."""
+    came from); `gpu_memory` (GiB, as torch's total_memory) overrides the measured one; `advise`: when it does not
+    fit comfortably, plan the alternatives too."""
     from maester.train.metrics import gpu_named
 
     if gpus < 1:
         raise ValueError(f"--gpus {gpus}: give a positive number of GPUs")
-    key, peak_flops, memory_gib = gpu_named(gpu, gpu_from)
-    if gpu_memory is not None:
-        if gpu_memory <= 0:
-            raise ValueError(f"--gpu-memory {gpu_memory} must be a positive number of GiB")
-        memory_gib = gpu_memory
+    key, peak_flops, datasheet_gib = gpu_named(gpu, gpu_from)
+    device = device_memory(key, datasheet_gib, gpus, gpu_memory)
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ValueError(f"--mfu {mfu} is not a fraction in (0, 1], e.g. 0.4 for 40%")
     layout, accumulation = describe_layout(plan_config(cfg, "cuda"), gpus)
     vocab = vocab_size(cfg)
     memory = predict_rank_memory(cfg, gpus, 0, "cuda", vocab)
-    result = verdict(memory.peak / GiB, memory_gib)
+    result = verdict(memory.peak / GiB, device)
     throughput = predict_throughput(cfg, gpus, key, peak_flops, vocab, accumulation, mfu)
-    plan = Plan(source, gpus, key, memory_gib, peak_flops, layout, memory, result, throughput)
+    notes = list(NOTES) + ([FLOAT8_ROWS] if cfg.training.float8.enabled else [])
+    plan = Plan(source, gpus, key, device, peak_flops, layout, memory, result, throughput,
+                checkpoint_host(cfg, gpus, memory.state), notes=notes)
     return with_alternatives(plan, cfg, vocab) if advise and result.kind != "fits" else plan
 
 
@@ -139,4 +119,4 @@ def with_alternatives(plan: Plan, cfg: Config, vocab: int | None = None) -> Plan
     def peak_of(changed: Config) -> float:
         return predict_rank_memory(changed, plan.gpus, 0, "cuda", vocab).peak / GiB
 
-    return replace(plan, alternatives=alternatives(cfg, plan.gpus, plan.gpu_memory_gib, USABLE, peak_of))
+    return replace(plan, alternatives=alternatives(cfg, plan.gpus, plan.device.usable_gib - TIGHT_GIB, peak_of))

@@ -63,7 +63,8 @@ class StepMemory:
     """Bytes one rank holds at the peak of a step, by row of `ROWS`; `loss`: the loss's own temporaries at their
     peak (chunked logits, their gradients, the output layer's gradient), part of `activations` or `temporaries`
     when the step peaks in the loss; `phase`: where the step peaks ("forward/backward" or "optimizer step");
-    `host`: bytes kept in host memory instead (`parallel.cpu_offload`)."""
+    `host`: bytes kept in host memory instead (`parallel.cpu_offload`); `state`: the sharded model and optimizer
+    state as stored, wherever it lives (what a checkpoint copies)."""
 
     parameters: float
     gathered_parameters: float
@@ -74,6 +75,7 @@ class StepMemory:
     loss: float
     phase: str
     host: float = 0.0
+    state: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -395,6 +397,7 @@ def predict_rank_memory(cfg: Config, world_size: int, rank: int = 0, device_type
         a = _fake_step(with_depth(cfg, small), world_size, rank, vocab, device_type)
         b = _fake_step(with_depth(cfg, large), world_size, rank, vocab, device_type)
         step = _extrapolate(a, small, b, large, depth)
+    step = replace(step, state=step.parameters + step.optimizer_state)
     if offload:
         host = step.parameters + step.gradients + step.optimizer_state
         step = replace(step, parameters=0.0, gradients=0.0, optimizer_state=0.0, host=host)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maester.plan.make import Plan, hours_text
+from maester.plan.make import FLOAT8_ROWS, Plan, hours_text
 from maester.plan.memory import GiB
 
 LABELS = {
@@ -26,18 +26,20 @@ def _duration(seconds: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    m, t = plan.memory, plan.throughput
-    lines = [f"plan of {plan.source or 'the config'} on {plan.gpus} x {plan.gpu} ({plan.gpu_memory_gib:g} GiB, "
+    m, t, d = plan.memory, plan.throughput, plan.device
+    lines = [f"plan of {plan.source or 'the config'} on {plan.gpus} x {plan.gpu} ({d.total_gib:.1f} GiB, "
              f"{plan.peak_flops / 1e12:,.0f} TFLOP/s dense bf16)",
              f"layout: {plan.layout}", "",
              "per rank (each of them holds the same)".ljust(46) + "GiB"]
     for row, value in m.rows().items():
         lines.append(f"  {LABELS[row]:<42}{value / GiB:>7.2f}")
-    lines.append(f"  {'peak, in ' + m.phase:<42}{m.peak / GiB:>7.2f}   of {plan.gpu_memory_gib:g} GiB")
+    lines.append(f"  {'peak, in ' + m.phase:<42}{m.peak / GiB:>7.2f}   of {d.usable_gib:.1f} GiB usable")
     lines.append(f"  {'the loss' + chr(39) + 's temporaries, at their own peak':<42}{m.loss / GiB:>7.2f}")
     if m.host:
         lines.append(f"  {'in host memory (parallel.cpu_offload)':<42}{m.host / GiB:>7.2f}")
-    lines += ["", f"verdict: {plan.verdict.line}"]
+    if FLOAT8_ROWS in plan.notes:
+        lines.append("  (float8: the rows are approximate, their sum is whole: see assumed)")
+    lines += ["", f"usable: {d.describe()}", f"verdict: {plan.verdict.line}"]
     if plan.alternatives:
         lines.append("changes that fit (each planned again), and their cost:" if any(a.fits for a in plan.alternatives)
                      else "no single change below fits; each planned again:")
@@ -45,8 +47,9 @@ def format_plan(plan: Plan) -> str:
         for a in plan.alternatives:
             lines.append(f"  {a.override:<{width}}  peak {a.peak_gib:6.2f} GiB  "
                          f"{'fits' if a.fits else 'does not fit'}; {a.cost}")
+    lines += ["", *plan.checkpoint_host.lines()]
     lines += ["", f"time: {t.flops_per_token / 1e9:,.1f} GFLOP per token at {100 * t.mfu:.0f}% MFU ({t.mfu_source})"]
-    for reason in t.factor_reasons:
+    for reason in t.caveats + t.factor_reasons:
         lines.append(f"  {reason}")
     lines.append(f"  {t.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, {t.tokens_per_second:,.0f} on "
                  f"{plan.gpus} GPUs; a step of {t.tokens_per_step:,} tokens in {_duration(t.step_seconds)}")

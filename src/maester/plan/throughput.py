@@ -25,6 +25,9 @@ EAGER = 5762 / 6667
 """Uncompiled blocks against compiled: the same torchtitan benchmark, 5,762 against 6,667 tokens/s per GPU."""
 FULL_RECOMPUTE = 6 / 8
 """Full activation checkpointing runs each block's forward again: 8 N FLOPs per token where 6 N count."""
+SMALL_MODEL = 20e6
+"""Parameters in a token's matmuls below which a step is bound by kernel launches, the Python loop and the data
+loader rather than by FLOPs, so the anchors' MFU (models of billions of parameters) does not carry over."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Throughput:
     mfu_source: str
     factor: float
     factor_reasons: list[str]
+    caveats: list[str]
     tokens_per_second: float  # over all GPUs
     tokens_per_second_per_gpu: float
     tokens_per_step: int
@@ -61,9 +65,13 @@ def default_mfu(gpu_key: str, mixture_of_experts: bool) -> tuple[float, str]:
 def throughput_factor(cfg: Config, accumulation_steps: int) -> tuple[float, list[str]]:
     """What the config's own choices do to throughput against the anchors' runs (bf16, selective-op AC, compiled),
     with the reason for each factor. The hook for settings that change speed, not the model's FLOPs: a float8 recipe
-    multiplies its measured speed-up in here."""
+    will multiply its measured speed-up in here; until it is measured, a float8 run is estimated as bf16."""
     factor, reasons = 1.0, []
     p = cfg.parallel
+    if cfg.training.float8.enabled:
+        reasons.append(f"x 1.00: float8 ({cfg.training.float8.recipe}) estimated as bf16: its speed-up is not "
+                       f"measured here (torchtitan reports 1.25-1.5x on H100s; the GPU check's "
+                       f"float8-8b-width stage measures it on your GPU)")
     if not p.compile:
         factor *= EAGER
         reasons.append(f"x {EAGER:.2f}: blocks not compiled (torchtitan's 8B: eager 5,762 vs compiled 6,667 tokens/s)")
@@ -77,13 +85,22 @@ def throughput_factor(cfg: Config, accumulation_steps: int) -> tuple[float, list
     return factor, reasons
 
 
-def whole_model_flops_per_token(cfg: Config, vocab: int) -> float:
-    """The MFU formula's FLOPs per token of the whole model (built on the meta device)."""
+def whole_model_flops_per_token(cfg: Config, vocab: int) -> tuple[float, int]:
+    """The MFU formula's FLOPs per token of the whole model (built on the meta device), and the parameters in a
+    token's matmuls."""
     from maester.models.build import build_on_meta, resolve_args
-    from maester.train.metrics import model_flops_per_token
+    from maester.train.metrics import matmul_parameters, model_flops_per_token
 
     model = build_on_meta(cfg.model, resolve_args(cfg.model, vocab, cfg.mup))
-    return float(model_flops_per_token(model, cfg.data.seq_len))
+    return float(model_flops_per_token(model, cfg.data.seq_len)), matmul_parameters(model)
+
+
+def small_model_caveat(parameters: int) -> list[str]:
+    if parameters >= SMALL_MODEL:
+        return []
+    return [f"a small model ({parameters / 1e6:,.1f}M parameters in a token's matmuls): its steps are bound by "
+            f"kernel launches, the Python loop and the data loader, not by FLOPs, so the MFU of a model of "
+            f"billions does not carry over: the figures below are a bound it will not reach, by far"]
 
 
 def predict_throughput(cfg: Config, gpus: int, gpu_key: str, peak_flops: float, vocab: int,
@@ -94,13 +111,11 @@ def predict_throughput(cfg: Config, gpus: int, gpu_key: str, peak_flops: float, 
         mfu, source = default_mfu(gpu_key, moe)
     else:
         source = "given (--mfu)"
-    if not 0 < mfu <= 1:
-        raise ValueError(f"--mfu {mfu} is not a fraction in (0, 1], e.g. 0.4 for 40%")
     factor, reasons = throughput_factor(cfg, accumulation_steps)
-    flops = whole_model_flops_per_token(cfg, vocab)
+    flops, parameters = whole_model_flops_per_token(cfg, vocab)
     tps = mfu * gpus * peak_flops / flops * factor
     tokens = cfg.sequences(cfg.training.global_batch_size) * cfg.data.seq_len
     step = tokens / tps
     total = step * cfg.training.steps
-    return Throughput(flops, mfu, source, factor, reasons, tps, tps / gpus, tokens, step, cfg.training.steps, total,
-                      gpus * total / 3600)
+    return Throughput(flops, mfu, source, factor, reasons, small_model_caveat(parameters), tps, tps / gpus, tokens,
+                      step, cfg.training.steps, total, gpus * total / 3600)

@@ -125,13 +125,10 @@ def _save_model_state(directory: Path, name: str, args: TransformerArgs, state: 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from maester.train.checkpoint_files import single_process_ok
-
     with torch.device("meta"):
         model = ARCHITECTURES[name].model_class()(args)
     model.load_state_dict(state, strict=True, assign=True)
-    with single_process_ok():
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=directory)
 
 
 # ---------------------------------------------------------------- maester -> HF
@@ -152,7 +149,7 @@ def to_hf(target: str | Path, out: str | Path, *, dtype: str = "float32", max_sh
     try:
         max_bytes = parse_shard_size(max_shard_size)
     except ValueError as e:
-        raise ValueError(f"--max-shard-size: {e}") from None
+        raise ValueError(f"--max-shard-size {max_shard_size!r}: {e}") from None
     _check_upload_options(upload, revision, base_model)
     if upload is not None:
         _hub_api(upload)  # fail before converting when the upload cannot happen
@@ -344,15 +341,20 @@ def upload_folder(directory: Path, repo_id: str, revision: str | None = None) ->
     """Create the Hub model repository `repo_id` if needed and upload `directory` into it, on the branch `revision`
     (created from main if absent; default main). Credentials as huggingface_hub finds them: HF_TOKEN or `hf auth
     login`."""
+    import huggingface_hub
+
+    from maester.data.hub_datasets import network_errors
+
     api = _hub_api(repo_id)
     try:
         api.create_repo(repo_id, repo_type="model", exist_ok=True)
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
         api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model", revision=revision)
-    except OSError as e:  # huggingface_hub's HTTP errors are OSErrors
+    except network_errors(huggingface_hub) as e:  # HTTP errors, offline mode, no connection
         again = f"hf upload {repo_id} {directory}" + (f" --revision {revision}" if revision else "")
-        raise ValueError(f"--upload {repo_id}: {e} ({directory} is complete; upload it again with "
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"--upload {repo_id}: {reason} ({directory} is complete; upload it again with "
                          f"`{again}`)") from None
 
 

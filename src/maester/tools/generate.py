@@ -4,7 +4,9 @@ prompt, or a file of them (a smoke suite)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,15 @@ from maester.config import Config
 from maester.data.tokenizers import Tokenizer, build_tokenizer
 from maester.models.sampling import check_sampling, sample, sample_batch
 from maester.train.checkpoint import resolve_checkpoint
-from maester.train.checkpoint_files import load_model_weights
+from maester.train.checkpoint_dirs import step_dirs
+from maester.train.checkpoint_files import read_trainer_state
+from maester.train.checkpoint_pin import Pins
+from maester.train.checkpoint_reader import load_model_weights
+
+log = logging.getLogger("maester")
+
+PIN_ATTEMPTS = 5
+"""Choices of the newest checkpoint before a reader gives up: each lost race is to a save and its retention."""
 
 
 def start_inference(device_choice: str, dtype_choice: str,
@@ -47,14 +57,35 @@ def start_inference(device_choice: str, dtype_choice: str,
     return device, dtype, mesh, dist.get_rank()
 
 
+@dataclass
+class Loaded:
+    """A model read for inference, with where it was read from: a checkpoint (and its step) or an HF directory."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    cfg: Config
+    source: Path
+    step: int | None = None
+
+    def describe(self) -> str:
+        return f"{self.source} " + (f"(step {self.step})" if self.step is not None else "(a Hugging Face model)")
+
+
 def load_for_inference(target: str | Path, device: torch.device, dtype: torch.dtype = torch.float32,
                        tp_mesh=None) -> tuple[nn.Module, Tokenizer, Config]:
-    """Model and tokenizer from a job directory or checkpoint (with the config saved in the checkpoint), or from an
-    HF model directory (config.json, safetensors and the tokenizer.json beside them) or Hub id `org/name[@revision]`,
-    fetched into the Hugging Face cache. The model is built on the meta device with its parameters in `dtype`, then
-    allocated on `device` and filled from the weights: no float32 copy of it is made first. With `tp_mesh` it is
-    sharded over that mesh before it is allocated (the training TP plan without sequence parallel), so each process
-    holds its share of every block."""
+    """`read_for_inference`'s model, tokenizer and config."""
+    loaded = read_for_inference(target, device, dtype, tp_mesh)
+    return loaded.model, loaded.tokenizer, loaded.cfg
+
+
+def read_for_inference(target: str | Path, device: torch.device, dtype: torch.dtype = torch.float32,
+                       tp_mesh=None) -> Loaded:
+    """Model and tokenizer from a job directory or checkpoint (with the config saved in the checkpoint, which is
+    pinned against the job's retention while it is read), or from an HF model directory (config.json, safetensors
+    and the tokenizer.json beside them) or Hub id `org/name[@revision]`, fetched into the Hugging Face cache. The
+    model is built on the meta device with its parameters in `dtype`, then allocated on `device` and filled from
+    the weights: no float32 copy of it is made first. With `tp_mesh` it is sharded over that mesh before it is
+    allocated (the training TP plan without sequence parallel), so each process holds its share of every block."""
     from maester.hub import is_hub_id, local_path
     from maester.tools.hf_dir import is_hf_model_dir
     from maester.train.hf_weights import load_hf_weights
@@ -64,16 +95,43 @@ def load_for_inference(target: str | Path, device: torch.device, dtype: torch.dt
     if is_hf_model_dir(target):
         path = Path(target)
         cfg = hf_model_config(path)
-    else:
-        path = resolve_checkpoint(target)
-        cfg = Config.from_json_file(path / "config.json")
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    model = build_for_loading(cfg, tokenizer, device, dtype, tp_mesh)
-    if is_hf_model_dir(target):
+        tokenizer = build_tokenizer(cfg.tokenizer)
+        model = build_for_loading(cfg, tokenizer, device, dtype, tp_mesh)
         load_hf_weights(path, model, cfg.model.name, str(path))
-    else:
+        return Loaded(model.eval(), tokenizer, cfg, path)
+    with pinned_checkpoint(target) as path:
+        cfg = Config.from_json_file(path / "config.json")
+        tokenizer = build_tokenizer(cfg.tokenizer)
+        model = build_for_loading(cfg, tokenizer, device, dtype, tp_mesh)
         load_model_weights(path, model)
-    return model.eval(), tokenizer, cfg
+        return Loaded(model.eval(), tokenizer, cfg, path, read_trainer_state(path).get("step"))
+
+
+@contextmanager
+def pinned_checkpoint(target: str | Path, level: str = "size"):
+    """`resolve_checkpoint(target, level)`, pinned against retention while inside: every `step-<N>` of the job is
+    pinned first (a save meanwhile cannot remove the one about to be chosen), the choice is made among them, and
+    the others are let go."""
+    target = Path(target)
+    candidates = [target] if (target / ".metadata").is_file() else step_dirs(target) + step_dirs(
+        target / "checkpoints")
+    for _ in range(PIN_ATTEMPTS):
+        pins = Pins()
+        try:
+            for step in candidates:
+                pins.add(step)
+            path = resolve_checkpoint(target, level)
+            if path in pins.held or pins.add(path):
+                pins.keep_only(path)
+                yield path
+                return
+        finally:
+            pins.release()
+        log.info("%s was removed while it was chosen; choosing the newest checkpoint again", path)
+        candidates = step_dirs(target) + step_dirs(target / "checkpoints")
+    raise ValueError(f"{target}: every checkpoint chosen was removed before it could be read ({PIN_ATTEMPTS} times): "
+                     f"its job saves faster than its checkpoints can be opened; run again, or read a checkpoint "
+                     f"that retention keeps (checkpoint.keep_every)")
 
 
 def load_checkpoint_model(path: Path, cfg: Config, tokenizer: Tokenizer, device: torch.device,

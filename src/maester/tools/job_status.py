@@ -14,6 +14,7 @@ from maester.config import Config
 from maester.jobs.job_dir import refuse_checkpoint
 from maester.jobs.slurm import (ACTIVE_STATES, cancel_jobs, describe_restarts, recorded_jobs, slurm_states,
                                 training_jobs)
+from maester.parallel.hosts import describe_hosts
 from maester.train.checkpoint_dirs import newest_complete
 from maester.train.metrics_file import read_events, read_metrics
 from maester.train.preemption import REQUEUE_FILE, STOP_FILE, read_marker
@@ -38,7 +39,8 @@ def _job_dir(job_dir: Path, command: str) -> Path:
 
 
 def status_items(job_dir: Path, now: float | None = None) -> list[tuple[str, str]]:
-    """(label, text) pairs: SLURM, status, step, loss, remaining, checkpoint, stops, restarts, post-processing."""
+    """(label, text) pairs: SLURM, status, step, loss, remaining, nodes, checkpoint, stops, restarts,
+    post-processing."""
     job_dir = _job_dir(job_dir, "status")
     cfg = Config.from_json_file(job_dir / "config.json")
     now = time.time() if now is None else now
@@ -46,7 +48,9 @@ def status_items(job_dir: Path, now: float | None = None) -> list[tuple[str, str
     training = training_jobs(records)
     metrics = job_dir / "metrics.jsonl"
     train = [r for r in read_metrics(metrics) if "loss" in r] if metrics.is_file() else []
-    stops = [e for e in read_events(metrics) if e["event"] == "stop"] if metrics.is_file() else []
+    events = read_events(job_dir)
+    stops = [e for e in events if e["event"] == "stop"]
+    hosts = [e for e in events if e["event"] == "hosts"]
     after = [r for r in records if r.get("event") == "after"]
     states = slurm_states(job_ids(training) + job_ids(after))
     items = [("slurm", ", ".join(_describe_job(j, states[j], training, stops, cfg.slurm.requeue)
@@ -61,6 +65,9 @@ def status_items(job_dir: Path, now: float | None = None) -> list[tuple[str, str
         requeue = read_marker(job_dir / REQUEUE_FILE)
         items.append(("step", f"{step} of {total}: " + (f"stopped for requeue at step {requeue['step']}, no step "
                                                          f"logged yet" if requeue else "no step logged yet")))
+    if hosts:  # the nodes of the newest run
+        items.append(("nodes", describe_hosts(hosts[-1]["hosts"])
+                      + (f" (SLURM job {hosts[-1]['slurm_job_id']})" if hosts[-1].get("slurm_job_id") else "")))
     items.append(("checkpoint", f"{checkpoint.name}, {duration(now - checkpoint.stat().st_mtime)} ago"
                   if checkpoint else "none yet"))
     items.append(("stops", f"{len(stops)} for a time limit or a preemption, each with a checkpoint to resume from"

@@ -1,7 +1,8 @@
 """`maester report JOB`: a one-page PNG dashboard of a job's metrics and a short text summary.
 
-Everything comes from the job directory: `config.json` (model, training.steps), `metrics.jsonl` (training and
-validation records, and the checkpoint saves' event lines; a running job's half-written last line is ignored), the
+Everything comes from the job directory: `config.json` (model, training.steps), `metrics.jsonl` (a row per logged
+step: training and evaluation), `events.jsonl` (the checkpoint saves; a running job's half-written last line is
+ignored in both), the
 `COMPLETED` and `requeue-requested`
 markers (the status), `checkpoints/latest` and `slurm_jobs.jsonl` (the restarts after failures). Nothing is
 written into the job directory except the PNG and the summary beside it, so a report can be drawn while the job
@@ -252,14 +253,14 @@ def summary_items(job_dir: Path, cfg: Config, train: list[dict], evals: list[dic
 
     checkpoint = newest_complete(job_dir / "checkpoints")
     items.append(("checkpoint", os.path.relpath(checkpoint, job_dir) if checkpoint else "none yet"))
-    items += checkpoint_save_items(job_dir / "metrics.jsonl")
+    items += checkpoint_save_items(job_dir)
     return items
 
 
-def checkpoint_save_items(metrics_file: Path) -> list[tuple[str, str]]:
-    """The saves' lines of the summary, from the `checkpoint` and `checkpoint_failed` events of metrics.jsonl:
-    how many, how long the loop was blocked per save and how long the writes took; the newest failure."""
-    events = read_events(metrics_file) if metrics_file.exists() else []
+def checkpoint_save_items(job_dir: Path) -> list[tuple[str, str]]:
+    """The saves' lines of the summary, from the `checkpoint` and `checkpoint_failed` events: how many, how long
+    the loop was blocked per save and how long the writes took; the newest failure."""
+    events = read_events(job_dir)
     saved = [r for r in events if r["event"] == "checkpoint"]
     failed = [r for r in events if r["event"] == "checkpoint_failed"]
     if not saved and not failed:

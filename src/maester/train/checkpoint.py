@@ -5,7 +5,8 @@ Layout of `jobs/<name>/checkpoints/`:
     step-<N>/            a complete checkpoint: DCP files (.metadata, *.distcp) for model and optimizer,
                          trainer_state.json (step, schedule start, data position, tokens seen, and
                          `init_from`/`load_mode` where the run began from another checkpoint),
-                         rng/rank<R>.pt, config.json, and manifest.json (every other file's size and CRC-32)
+                         rng/rank<R>.pt, config.json, and manifest.json (every other file's size and XXH3-128,
+                         taken as it is written: `checkpoint_digests.py`)
     latest -> step-<N>   a convenience link, moved (atomically) after step-<N> is complete
     step-<N>.tmp/        a save in progress; never loaded, removed by the next save
     step-<N>.damaged/    a checkpoint that failed its manifest check at resume, moved aside (never deleted)
@@ -40,16 +41,20 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from maester.config import LOAD_MODES, PARTIAL_LOAD_MODES, CheckpointConfig
 from maester.files import fsync_dir, point_link, write_durably
 from maester.train.checkpoint_async import BackgroundSaves, Phases, SaveResult, without_zip_crc32
+from maester.train.checkpoint_digests import DIGEST, MANIFEST_FORMAT, HashingWriter, digest_of_bytes
 from maester.train.checkpoint_files import (
-    DAMAGED, MANIFEST, STEP_DIR, TRAINER_STATE, capture_rng_state, dcp_load, describe_files,
-    has_optimizer_state, is_complete, load_model_weights, match_model, read_rng_state, read_trainer_state,
-    restore_rng_state, single_process_ok, step_dirs, verify_checkpoint,
+    DAMAGED, MANIFEST, STEP_DIR, TRAINER_STATE, capture_rng_state, has_optimizer_state, is_complete, match_model,
+    read_manifest, read_rng_state, read_trainer_state, restore_rng_state, step_dirs, verify_checkpoint,
 )
+from maester.train.checkpoint_pin import unless_pinned
+from maester.train.checkpoint_reader import DamagedCheckpoint, check_metadata, dcp_load, load_model_weights
 from maester.train.checkpoint_tensors import plain_state, state_to_save
 from maester.train.faults import maybe_crash, maybe_hang
 
 log = logging.getLogger("maester")
 
+WRITE_THREADS = 1
+"""Files each rank writes at once (DCP's `thread_count`): see docs/checkpoints.md for the measurement."""
 
 
 
@@ -116,6 +121,8 @@ class Checkpointer(BackgroundSaves):
         self.group = group
         self.hold_retention = False
         """Saves delete no older checkpoint while set (the first steps after a load, until they prove the model)."""
+        self.damaged: list[dict] = []
+        """The checkpoints a resume found damaged and moved aside ({checkpoint, moved_to, problems})."""
 
     def _write_in_background(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
         """`_write` in the save's thread; its outcome is logged at once (the loop may be busy for a while) and kept
@@ -136,15 +143,16 @@ class Checkpointer(BackgroundSaves):
 
     def resume_point(self) -> tuple[Path | None, list[dict]]:
         """The checkpoint to resume from, the same on every rank (a collective): the newest `step-<N>` that passes
-        its manifest check (`checkpoint.verify`), every rank reading its share of the files for a full check. Rank 0
+        its manifest check of sizes (`resume` loads it, checking the checksums in the same pass; a seed checkpoint is
+        checked at `checkpoint.verify` here), every rank checking its share of the files. Rank 0
         lists the candidates (ranks that each looked could disagree right after a requeue, where a shared filesystem
         caches per node), moves damaged ones aside to `step-<N>.damaged` and repoints `latest`; the damaged ones
         come back as records ({checkpoint, moved_to, problems}) for the metrics."""
         candidates = self._broadcast_from_rank_zero(self._candidates)
-        damaged: list[dict] = []
+        damaged = self.damaged
         for name in candidates:
             path = self.dir / name
-            problems = verify_everywhere(path, self.cfg.verify)
+            problems = verify_everywhere(path, self._level_before_loading(path))
             if not problems:
                 self._broadcast_from_rank_zero(lambda: self._point_latest_if_elsewhere(path))
                 return path, damaged
@@ -154,6 +162,15 @@ class Checkpointer(BackgroundSaves):
             damaged.append({"checkpoint": name, "moved_to": aside, "problems": problems})
         self._broadcast_from_rank_zero(lambda: self._no_intact_checkpoint(damaged))
         return None, damaged
+
+    def _level_before_loading(self, path: Path) -> str:
+        """The check of `resume_point`: sizes only where `resume` checks the checksums in the loading pass (a
+        `continue` load; a seed checkpoint's model-only load is checked before)."""
+        try:
+            seed = read_trainer_state(path).get("seed_checkpoint")
+        except (ValueError, OSError):
+            seed = False  # the size check reports it
+        return self.cfg.verify if seed else "size"
 
     def _broadcast_from_rank_zero(self, work):
         """`work()` run on rank 0, its value (or its ValueError or OSError, raised as a ValueError) on every rank."""
@@ -277,7 +294,9 @@ class Checkpointer(BackgroundSaves):
         files: dict[str, bytes | str] = {f"rng/rank{self.rank}.pt": rng.getvalue()}
         if self.rank == 0:
             files["config.json"] = config_json
-            files[TRAINER_STATE] = json.dumps({"step": step, **trainer_state}, indent=2)
+            # its format says that the checkpoint has a manifest: a missing one is damage, not an older checkpoint
+            files[TRAINER_STATE] = json.dumps({"step": step, "checkpoint_format": MANIFEST_FORMAT, **trainer_state},
+                                              indent=2)
         return files
 
     def _write(self, step: int, state: dict, files: dict[str, bytes | str], result: SaveResult) -> None:
@@ -286,36 +305,39 @@ class Checkpointer(BackgroundSaves):
         final = self.dir / f"step-{step}"
         tmp = self.dir / f"step-{step}.tmp"
         clock = Phases(result)
+        writer = HashingWriter(tmp, WRITE_THREADS)
         try:
-            with single_process_ok(), without_zip_crc32():
+            with without_zip_crc32():
                 # a rank's failure is raised on every rank
-                dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+                dcp.save(state, storage_writer=writer, process_group=self.group)
         except (OSError, RuntimeError, CheckpointException) as e:
             raise self._not_written(final, tmp, e) from e
         clock.lap("dcp")
         maybe_crash("during_save", step)
         maybe_hang(step, "slow_write")
-        local_error = None
+        listing, local_error = writer.files, None
         try:
             (tmp / "rng").mkdir(exist_ok=True)
             for name, data in files.items():
+                data = data.encode() if isinstance(data, str) else data
                 write_durably(tmp / name, data)
+                listing[name] = {"size": len(data), DIGEST: digest_of_bytes(data)}
         except OSError as e:
             local_error = e
-        _barrier(self.group)  # every rank's files are on disk before they are listed
         clock.lap("small_files")
-        listing, exists, error = self._describe_shares(tmp, final, local_error)
+        listing, exists, error = self._gather_listings(listing, final, local_error)
         if error is not None:
             raise self._not_written(final, tmp, error)
         if exists:
             raise ValueError(f"{final} already exists: a run never overwrites a checkpoint (is another run using "
                              f"{self.dir.parent}?)")
-        clock.lap("checksums")
         if self.rank == 0:
             try:
+                for directory in (tmp / "rng", tmp):  # every file's entry on disk before the manifest names it
+                    fsync_dir(directory)
                 maybe_crash("before_manifest", step)
-                write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": dict(sorted(listing.items()))},
-                                                          indent=1))
+                write_durably(tmp / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "step": step, "digest": DIGEST,
+                                                          "files": dict(sorted(listing.items()))}, indent=1))
                 os.replace(tmp, final)
                 fsync_dir(self.dir)
             except OSError as e:
@@ -346,21 +368,18 @@ class Checkpointer(BackgroundSaves):
         return ValueError(f"checkpoint {final.name} could not be written in {self.dir}: {error}. Nothing of it is "
                           f"kept; {kept}. Free space (or raise the quota) and run again")
 
-    def _describe_shares(self, tmp: Path, final: Path, error: OSError | None) -> tuple[dict[str, dict], bool,
-                                                                                      str | None]:
-        """Every file of `tmp` with its size and CRC-32, each rank reading its share; whether `final` exists (rank
-        0's view); and the first rank's write error (`error` is this rank's), on every rank."""
+    def _gather_listings(self, listing: dict[str, dict], final: Path, error: OSError | None) -> tuple[
+            dict[str, dict], bool, str | None]:
+        """Every rank's files with their sizes and digests (`listing` is this rank's, taken as they were written);
+        whether `final` exists (rank 0's view); and the first rank's write error (`error` is this rank's), on every
+        rank. A collective: after it, every rank's files are on disk."""
         import torch.distributed as dist
 
-        names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         reason = None if error is None else _reason(error)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return ({} if reason else describe_files(tmp, names)), final.exists(), reason
-        world = dist.get_world_size()
-        mine = ({} if reason else describe_files(tmp, names[self.rank::world]), self.rank == 0 and final.exists(),
-                reason)
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, mine, group=self.group)
+            return listing, final.exists(), reason
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (listing, self.rank == 0 and final.exists(), reason), group=self.group)
         files = {name: entry for part, _, _ in gathered for name, entry in part.items()}
         return files, gathered[0][1], next((r for _, _, r in gathered if r), None)
 
@@ -386,14 +405,21 @@ class Checkpointer(BackgroundSaves):
                     log.info("retention: removed the link %s; its target %s is left as it is", doomed, target)
                     continue
                 trash = self.dir / f"step-{s}.deleting.tmp"
-                os.replace(doomed, trash)  # no half-deleted directory ever carries a step-<N> name
+                with unless_pinned(doomed) as free:
+                    if not free:
+                        log.info("retention: keeping %s while a reader (maester eval, generate, chat) holds it; a "
+                                 "later save removes it", doomed)
+                        continue
+                    os.replace(doomed, trash)  # no half-deleted directory ever carries a step-<N> name
                 shutil.rmtree(trash)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "continue",
-             family: str | None = None) -> dict:
+             family: str | None = None, verify: bool = False) -> dict:
         """Restore the parts of checkpoint `path` that load mode `mode` takes (`LOAD_MODES`) into `model` and
         `optimizer`, resharded to their current layout; returns the trainer state (step, data position, ...) for
-        the caller to take the rest from. `continue` also restores this rank's RNG state.
+        the caller to take the rest from. `continue` also restores this rank's RNG state. `verify`: check every
+        file's checksum against the manifest in the same pass (`OnePassReader`): a difference raises
+        `DamagedCheckpoint` after the model and optimizer were written.
 
         The optimizer keeps the config's hyperparameters (betas, weight decay, ...); only its state (moments,
         step counts) is taken. A part the mode needs but the checkpoint lacks is an error, and so is a checkpoint of
@@ -402,6 +428,10 @@ class Checkpointer(BackgroundSaves):
         """
         parts = LOAD_MODES[mode]
         partial = mode in PARTIAL_LOAD_MODES
+        expected = None
+        if verify and (path / MANIFEST).is_file():
+            expected = {name: (size, kind, checksum) for name, size, kind, checksum in read_manifest(path)}
+            check_metadata(path, expected)  # before anything is read from it
         trainer_state = read_trainer_state(path)
         if "optimizer" in parts and not has_optimizer_state(path):
             raise ValueError(f"load mode {mode!r} takes the optimizer state, but checkpoint {path} has none (a seed "
@@ -411,16 +441,16 @@ class Checkpointer(BackgroundSaves):
             raise ValueError(f"load mode {mode!r} takes the data position, but checkpoint {path} has none (a seed "
                              f"or converted checkpoint); use a mode that starts the data fresh")
         if "optimizer" not in parts:
-            load_model_weights(path, model, family, partial)
+            load_model_weights(path, model, family, partial, expected)
             return trainer_state
-        match_model(path, model, family)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # built once: the load writes into them
+        match_model(path, model, family, state=model_sd)
         hyperparameters = copy.deepcopy(optim_sd["param_groups"])
         # The per-parameter state only, keyed by parameter name: the groups may differ where the checkpoint was
         # saved (a pipeline rank's groups hold its stages' parameters).
         # read into the live tensors' storage (plain_state unwraps without a copy)
         state = plain_state({"model": model_sd, "optimizer": {"state": optim_sd["state"]}})
-        dcp_load(state, path)
+        dcp_load(state, path, expected)
         state["optimizer"]["param_groups"] = hyperparameters
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         if mode != "continue":
@@ -432,21 +462,25 @@ class Checkpointer(BackgroundSaves):
             log.warning("checkpoint %s has no RNG state for rank %d (saved on fewer ranks)", path, self.rank)
         return trainer_state
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+    def resume(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+               family: str | None) -> tuple[Path, dict]:
+        """Load `resume_point`'s checkpoint `path` (`continue`), checking its files' checksums in the same pass under
+        `checkpoint.verify = "full"`; one found damaged then is moved aside like those `resume_point` finds (its
+        record appended to the list `resume_point` returned) and the next older intact one is loaded instead, over
+        every value the damaged one wrote. Returns the checkpoint loaded and its trainer state."""
+        damaged = self.damaged
+        while True:
+            try:
+                return path, self.load(path, model, optimizer, "continue", family, self.cfg.verify == "full")
+            except DamagedCheckpoint as e:
+                aside = self._broadcast_from_rank_zero(lambda: self._move_aside(path).name)
+                log.error("CHECKPOINT DAMAGED: %s fails its manifest check (%s); moved aside to %s", path,
+                          "; ".join(e.problems), aside)
+                damaged.append({"checkpoint": path.name, "moved_to": aside, "problems": e.problems})
+            path, _ = self.resume_point()  # its records go into `damaged` too
+            if path is None or read_trainer_state(path).get("seed_checkpoint"):
+                raise ValueError(f"the checkpoints of {self.dir} after {path.name if path else 'none'} were damaged "
+                                 f"and moved aside; run again to start from {path.name if path else 'step 0'}")
 
 
 def _reason(error: BaseException) -> str:

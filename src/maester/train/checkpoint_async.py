@@ -30,7 +30,7 @@ class SaveResult:
     error: str | None = None
 
     def event(self) -> dict:
-        """Its metrics.jsonl line: `checkpoint` (complete) or `checkpoint_failed`, at the checkpoint's step."""
+        """Its events.jsonl line: `checkpoint` (complete) or `checkpoint_failed`, at the checkpoint's step."""
         record = {"event": "checkpoint" if self.error is None else "checkpoint_failed", "step": self.step,
                   "checkpoint": self.path.name, "background": self.background,
                   "checkpoint_blocked_seconds": round(self.blocked_seconds, 4)}

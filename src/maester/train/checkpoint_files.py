@@ -1,6 +1,6 @@
 """What a checkpoint directory holds and how each of its files is read: the `step-<N>` names, the manifest
-(every file's size and CRC-32) and its check, the trainer state, the RNG files, and DCP's reader that unpickles
-only DCP's own metadata classes, so loading a checkpoint never runs code from it."""
+(every file's size and checksum, `checkpoint_digests.py`) and its check, the trainer state, the RNG files, and
+DCP's reader that unpickles only DCP's own metadata classes, so loading a checkpoint never runs code from it."""
 
 from __future__ import annotations
 
@@ -12,32 +12,28 @@ import pickle
 import random
 import stat
 import warnings
-import zlib
-from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 # Checkpoint names live where status reads them without torch; the names stay importable from here too.
+from maester.train.checkpoint_digests import DIGEST, MANIFEST_FORMAT, digest_of_bytes, file_digest
 from maester.train.checkpoint_dirs import STEP_DIR, TRAINER_STATE, is_complete, step_dirs
-from maester.train.checkpoint_tensors import plain_state
 
 
 log = logging.getLogger("maester")
 
-
-
-
+# DCP warns at every save and load without a process group; one process is a supported layout, not a mistake.
+# Filtered once here: a `warnings.catch_warnings()` around each call would swap the process-wide filter list from
+# the background save's thread while the training thread runs.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
 
 MANIFEST = "manifest.json"
+CHECKSUM_NAMES = {DIGEST: "XXH3-128", "crc32": "CRC-32"}
 
 
 DAMAGED = ".damaged"
@@ -69,31 +65,63 @@ def inside(name: str) -> bool:
     return bool(path.parts) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
 
 
+_METADATA_READ: dict[tuple, list] = {}
+"""The last `.metadata` files read ([bytes, object or None]), by path and the file's identity: a resume's checks
+and its load read the file once."""
+
+
+def read_metadata(path: Path):
+    """Checkpoint `path`'s DCP metadata, unpickled through an allowlist of DCP's metadata classes, every storage file
+    it names confined to the checkpoint directory (a crafted `.metadata` must not read another checkpoint); read
+    once while the file stays the same. A refused file is a ValueError; a missing one an OSError."""
+    entry = _metadata_entry(path)
+    if entry[1] is None:
+        file = Path(path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(entry[0])).load()
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{file}: refused: {e}") from None
+        for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or not inside(name):
+                raise ValueError(f"{file}: refused: the storage of {getattr(index, 'fqn', index)} is named "
+                                 f"{name!r}, which is not a file inside the checkpoint directory (a crafted file)")
+        entry[1] = metadata
+    return entry[1]
+
+
+def metadata_bytes(path: Path) -> bytes:
+    """The bytes of checkpoint `path`'s `.metadata`, the ones `read_metadata` reads."""
+    return _metadata_entry(path)[0]
+
+
+def _metadata_entry(path: Path) -> list:
+    file = Path(path) / ".metadata"
+    st = os.stat(file)
+    key = (str(file), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _METADATA_READ:
+        data = file.read_bytes()
+        while len(_METADATA_READ) >= 4:
+            _METADATA_READ.pop(next(iter(_METADATA_READ)))
+        _METADATA_READ[key] = [data, None]
+    return _METADATA_READ[key]
+
+
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with `.metadata` unpickled through an allowlist of DCP's metadata classes, and every storage
-    file it names confined to the checkpoint directory (a crafted `.metadata` must not read another checkpoint)."""
+    """DCP's file reader with `.metadata` read by `read_metadata` (an allowlist of classes, storage files confined
+    to the checkpoint directory, read once)."""
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except pickle.UnpicklingError as e:
-                raise ValueError(f"{path}: refused: {e}") from None
-        for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-            name = getattr(info, "relative_path", None)
-            if not isinstance(name, str) or not inside(name):
-                raise ValueError(f"{path}: refused: the storage of {getattr(index, 'fqn', index)} is named "
-                                 f"{name!r}, which is not a file inside the checkpoint directory (a crafted file)")
+        metadata = read_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def _safe_planner():
+def safe_planner():
     """DCP's load planner, reading non-tensor values (the optimizer's hyperparameters) with `weights_only=True`;
     its own `load_bytes` unpickles them with `weights_only=False`."""
     from torch.distributed.checkpoint._traverse import set_element
@@ -115,68 +143,80 @@ def _safe_planner():
     return SafeLoadPlanner()
 
 
-@contextmanager
-def single_process_ok():
-    """DCP warns when no process group exists; one process is a supported layout, not a mistake."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def crc32_of(path: Path) -> str:
-    """The CRC-32 of a regular file (opened without blocking, so that a FIFO put in its place cannot hang the read;
-    anything but a regular file is a ValueError)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        crc = 0
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
 def describe_files(root: Path, names: list[str]) -> dict[str, dict]:
-    """Size and CRC-32 of each file `names` (relative to `root`), for a manifest."""
-    return {name: {"size": (root / name).stat().st_size, "crc32": crc32_of(root / name)} for name in names}
+    """Size and XXH3-128 of each file `names` (relative to `root`), as a manifest lists them."""
+    return {name: {"size": (root / name).stat().st_size, DIGEST: file_digest(root / name, DIGEST)} for name in names}
+
+
+def read_manifest(path: Path) -> list[tuple[str, int, str, str]]:
+    """The entries (name, size, checksum kind, checksum) of checkpoint `path`'s manifest.json: format 2 lists
+    XXH3-128s, an unversioned one (written before format 2) CRC-32s; a ValueError names what is wrong with it."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+        version = manifest.get("format", 1)
+        if not isinstance(version, int) or version > MANIFEST_FORMAT:
+            raise ValueError(f"format {version!r}, which this maester does not know (written by a newer one?)")
+        kind = DIGEST if version >= 2 else "crc32"
+        # an entry without its checksum passes a size check and fails a full one
+        return sorted((str(name), int(e["size"]), kind, str(e.get(kind, ""))) for name, e in manifest["files"].items())
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not a manifest ({type(e).__name__}: {e})") from None
 
 
 def verify_checkpoint(path: Path, level: str = "size", share: tuple[int, int] = (0, 1)) -> list[str]:
     """What is wrong with checkpoint `path` against its manifest.json, one line per file; empty when it is intact.
-    `level` "size" compares sizes, "full" also CRC-32s. A manifest entry must name a regular file inside the
-    checkpoint directory. A checkpoint from before manifests (none in it) is checked for its .metadata and trainer
-    state only.
+    `level` "size" compares sizes, "full" also checksums. A manifest entry must name a regular file inside the
+    checkpoint directory, and so must every storage file its `.metadata` names (`read_metadata`). A checkpoint
+    whose trainer state has a `checkpoint_format` was written with a manifest, and is damaged without one; one from
+    before manifests (none, and no format) is checked for its .metadata and trainer state only (`unverified`).
 
     `share` = (i, n): check only every n-th manifest entry from the i-th (n processes reading one checkpoint
-    together, each its share; `n` results together cover it), the trainer state in share 0."""
+    together, each its share; `n` results together cover it), the trainer state and .metadata in share 0."""
     index, count = share
-    manifest_file = path / MANIFEST
     problems: list[str] = []
-    if not manifest_file.is_file():
-        if index == 0:
-            problems = [f"{path / name}: missing" for name in (".metadata", TRAINER_STATE)
-                        if not (path / name).is_file()]
-    else:
+    if (path / MANIFEST).is_file():
         try:
-            files = json.loads(manifest_file.read_text())["files"]
-            entries = [(str(name), int(e["size"]), str(e["crc32"])) for name, e in files.items()]
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-            return [f"{manifest_file}: not a manifest ({type(e).__name__}: {e})"] if index == 0 else []
-        for name, size, crc in sorted(entries)[index::count]:
-            problem = _file_problem(path, name, size, crc if level == "full" else None)
+            entries = read_manifest(path)
+        except ValueError as e:
+            return [str(e)] if index == 0 else []
+        for name, size, kind, checksum in entries[index::count]:
+            problem = _file_problem(path, name, size, kind, checksum if level == "full" else None)
             if problem:
                 problems.append(problem)
-    if not problems and index == 0:
-        try:
-            read_trainer_state(path)
-        except (ValueError, OSError) as e:
-            problems.append(str(e).split(": the checkpoint is damaged")[0])
-    return problems
+    elif index == 0:
+        problems = [f"{path / name}: missing" for name in (".metadata", TRAINER_STATE) if not (path / name).is_file()]
+        entries = None
+    if problems or index != 0:
+        return problems
+    try:
+        state = read_trainer_state(path)
+        if entries is None and state.get("checkpoint_format"):
+            return [f"{path / MANIFEST}: missing, and {TRAINER_STATE} says the checkpoint was written with one "
+                    f"(checkpoint_format {state['checkpoint_format']}): its files cannot be checked"]
+        metadata = read_metadata(path)
+        storage = {info.relative_path for info in (getattr(metadata, "storage_data", None) or {}).values()}
+    except (ValueError, OSError, EOFError) as e:
+        return [str(e).split(": the checkpoint is damaged")[0]]
+    listed = {name for name, *_ in entries or ()}
+    return [f"{path / name}: named by .metadata, " + ("not in the manifest" if entries is not None else "missing")
+            for name in sorted(storage) if (name not in listed if entries is not None
+                                            else not (path / name).is_file())]
 
 
-def _file_problem(root: Path, name: str, size: int, crc: str | None) -> str | None:
-    """What is wrong with the manifest entry `name` of checkpoint `root` (its size, and its CRC-32 unless `crc` is
-    None), or None."""
+def unverified(path: Path) -> bool:
+    """Whether checkpoint `path` is from before manifests: its files' contents cannot be checked."""
+    if (path / MANIFEST).is_file():
+        return False
+    try:
+        return not read_trainer_state(path).get("checkpoint_format")
+    except (ValueError, OSError):
+        return False
+
+
+def _file_problem(root: Path, name: str, size: int, kind: str, checksum: str | None) -> str | None:
+    """What is wrong with the manifest entry `name` of checkpoint `root` (its size, and its checksum of `kind`
+    unless `checksum` is None), or None."""
     if not inside(name):
         return f"{root}: the manifest names {name!r}, which is not a file inside the checkpoint directory"
     file = root / name
@@ -190,13 +230,17 @@ def _file_problem(root: Path, name: str, size: int, crc: str | None) -> str | No
         return f"{file}: not a regular file"
     if st.st_size != size:
         return f"{file}: {st.st_size} bytes, the manifest says {size}"
-    if crc is None:
+    if checksum is None:
         return None
     try:
-        actual = crc32_of(file)
+        actual = file_digest(file, kind)
     except (OSError, ValueError) as e:
         return f"{file}: {getattr(e, 'strerror', None) or e}"
-    return None if actual == crc else f"{file}: CRC-32 {actual}, the manifest says {crc}"
+    return None if actual == checksum else checksum_problem(file, kind, actual, checksum)
+
+
+def checksum_problem(file: Path, kind: str, actual: str, expected: str) -> str:
+    return f"{file}: {CHECKSUM_NAMES[kind]} {actual}, the manifest says {expected}"
 
 
 def capture_rng_state() -> dict:
@@ -261,46 +305,8 @@ def read_trainer_state(path: Path) -> dict:
 
 def has_optimizer_state(path: Path) -> bool:
     """Whether checkpoint `path` holds optimizer state (a seed or converted checkpoint holds the model only)."""
-    with single_process_ok():
-        metadata = SafeReader(path).read_metadata()
+    metadata = read_metadata(path)
     return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
-
-
-def dcp_load(state: dict, path: Path) -> None:
-    """`dcp.load` of checkpoint `path`; a missing or truncated file is an error that names it."""
-    import pickle
-
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        SafeReader(path).read_metadata()  # a refused .metadata is reported alone, before DCP's own attempts
-    except ValueError as e:
-        raise ValueError(f"checkpoint {path} cannot be read: {e}") from None
-    except (OSError, EOFError) as e:
-        raise ValueError(f"checkpoint {path} cannot be read: {path / '.metadata'}: "
-                         f"{getattr(e, 'strerror', None) or 'a file ends early (truncated)'}") from None
-    try:
-        with single_process_ok():
-            dcp.load(state, storage_reader=SafeReader(path), planner=_safe_planner())
-    except (OSError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
-        cause = e
-        if isinstance(e, CheckpointException) and e.failures:  # the first failing rank's own error
-            failure = next(iter(e.failures.values()))
-            cause = failure[0] if isinstance(failure, tuple) else failure
-        where = getattr(cause, "filename", None) or path
-        if isinstance(cause, EOFError):
-            reason = "a file ends early (truncated)"
-        elif isinstance(cause, OSError) and cause.strerror:
-            reason = cause.strerror
-        else:
-            reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        if any(m in reason for m in ("Size mismatch", "Missing key", "mismatch sizes")):
-            raise ValueError(f"checkpoint {path} does not fit this run's model: {reason}. The checkpoint is not "
-                             f"damaged: the model differs from the one that saved it (compare model.* with "
-                             f"{path / 'config.json'})") from None
-        raise ValueError(f"checkpoint {path} cannot be read: {where}: {reason}. It is damaged or incomplete "
-                         f"(`maester checkpoint verify {path}` checks every file): move it aside to resume from an "
-                         f"earlier one") from e
 
 
 def checkpoint_family(path: Path) -> str | None:
@@ -312,22 +318,25 @@ def checkpoint_family(path: Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def model_keys(model: nn.Module) -> set[str]:
+def model_keys(model: nn.Module, state: dict | None = None) -> set[str]:
     """The names of the whole model's weights as checkpoints name them (under pipeline parallel, of every stage,
-    not only this rank's)."""
+    not only this rank's); `state`: the model's state dict, where the caller has built it already."""
     whole = getattr(model, "whole_model", None)
-    return set(whole.state_dict()) if whole is not None else set(get_model_state_dict(model))
+    if whole is not None:
+        return set(whole.state_dict())
+    return set(state if state is not None else get_model_state_dict(model))
 
 
-def match_model(path: Path, model: nn.Module, family: str | None, partial: bool = False) -> set[str]:
+def match_model(path: Path, model: nn.Module, family: str | None, partial: bool = False,
+                state: dict | None = None) -> set[str]:
     """The model weights to load from checkpoint `path`: every one of `model`'s. A checkpoint of another
     architecture (`family`, this run's `model.name`, against its config.json), or one holding weights the model has
     no place for or lacking some it needs, is refused naming both, unless `partial`: then the weights the two share
-    by name are loaded (the rest of the model keeps its initialisation), and what is left out is logged."""
-    with single_process_ok():
-        metadata = SafeReader(path).read_metadata()
+    by name are loaded (the rest of the model keeps its initialisation), and what is left out is logged. `state`:
+    the model's state dict, where the caller has built it already."""
+    metadata = read_metadata(path)
     saved = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
-    ours = model_keys(model)
+    ours = model_keys(model, state)
     theirs = checkpoint_family(path)
     extra, missing = sorted(saved - ours), sorted(ours - saved)
 
@@ -355,12 +364,3 @@ def match_model(path: Path, model: nn.Module, family: str | None, partial: bool 
         raise ValueError(f"checkpoint {path} does not fit this run's model: it lacks weights the model needs "
                          f"({some(missing)}) ({fix})")
     return ours
-
-
-def load_model_weights(path: Path, model: nn.Module, family: str | None = None, partial: bool = False) -> None:
-    """Load only the model from a checkpoint (fine-tuning, generation): every model key must be present and none
-    other (`match_model`; `partial`: the keys the two share)."""
-    keys = match_model(path, model, family, partial)
-    state = {"model": plain_state({k: v for k, v in get_model_state_dict(model).items() if k in keys})}
-    dcp_load(state, path)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not partial))

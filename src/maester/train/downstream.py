@@ -32,8 +32,9 @@ log = logging.getLogger("maester")
 
 
 class DownstreamEvaluation:
-    """The tasks of `cfg.evaluation`, checked when built (task files exist, names are known, lm-eval is
-    installed): the first evaluation does not find out hours into a run."""
+    """The tasks of `cfg.evaluation`, checked when built (task files exist and parse, names are known, each task
+    builds with its data and renders its first document, lm-eval is installed): the first evaluation does not find
+    out hours into a run."""
 
     def __init__(self, cfg: Config, model: nn.Module, tokenizer: Tokenizer, dims: ParallelDims,
                  device: torch.device, precision: Precision):
@@ -43,12 +44,13 @@ class DownstreamEvaluation:
         check_task_files(self.cfg.tasks, "evaluation.tasks")
         try:
             from maester.evaluation.harness_lm import MaesterLM, Ranks
-            from maester.evaluation.task_specs import task_manager
+            from maester.evaluation.task_specs import load_tasks, task_manager
         except ImportError:
             raise ValueError("evaluation.tasks runs EleutherAI's lm-evaluation-harness, which is not installed: "
                              "install maester's `eval` extra (pip install 'maester[eval]', or uv sync --extra "
                              "eval)") from None
         self.manager = task_manager(self.cfg.tasks, "evaluation.tasks")
+        load_tasks(self.manager, self.cfg.tasks, "evaluation.tasks")  # built once now: each evaluation builds anew
         split = dims.world_size > 1 and dims.dp_size > 1
         ranks = Ranks(rank=dims.dp_rank if split else 0, size=dims.dp_size if split else 1,
                       group=dims.submesh("dp").get_group() if split else None, in_step=dims.world_size > 1)

@@ -16,7 +16,7 @@ discounted and recomputation (activation checkpointing) is not counted.
 It is nominal, as torchtitan's and OLMo-core's (`num_flops_per_token(seq_len)`, "idealized"): T is
 `data.seq_len` whatever the batch holds. Where documents are masked apart (packed SFT, document masking) a token
 attends within its document only and the kernels do 12 * H * Q * sum(d^2) / T per layer and token for documents
-of length d, so MFU then overstates the work done by the attention term's share (README, Metrics).
+of length d, so MFU then overstates the work done by the attention term's share (docs/observability.md, MFU).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from maester.files import write_atomically
-from maester.train.metrics_file import read_metrics  # the reader, without torch; importable from here too
+from maester.train.metrics_file import EVENTS, METRICS, check_event, check_row, checked
+from maester.train.metrics_file import read_metrics  # noqa: F401 (the reader, without torch; importable here too)
 from maester.models.loss import IGNORE_INDEX
 from maester.models.moe import moe_layers
 from maester.train.sinks import Sink, open_sinks, scalars
@@ -161,62 +162,78 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to metrics.jsonl, prints a console line and passes the record's
-    numbers on to the sinks."""
+    """Writes a run's records: one row per logged step to metrics.jsonl (the training metrics, and the evaluations of
+    that step merged in: written when the step ends), events to events.jsonl, console lines, and the numbers to
+    the sinks."""
 
-    def __init__(self, path: Path, progress=None, sinks: Sequence[Sink] = ()):
-        self.path = path
+    def __init__(self, job_dir: Path, progress=None, sinks: Sequence[Sink] = ()):
         self.progress = progress
         self.sinks = list(sinks)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_partial_last_line(path)
-        self._file = open(path, "a", buffering=1)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        self._files = {}
+        for name in (METRICS, EVENTS):
+            _drop_partial_last_line(job_dir / name)
+            self._files[name] = open(job_dir / name, "a", buffering=1)
+        self._row: dict | None = None  # the logged step's row, until the step ends
 
     def write(self, record: dict) -> None:
-        self._record(record, format_console_line(record))
+        """The training metrics of a logged step: a new row."""
+        self.end_step()
+        self._row = dict(record)
+        self._show(record, format_console_line(record))
 
     def write_eval(self, record: dict) -> None:
         line = f"step {record['step']} | val_loss {record['val_loss']:.4f}"
         if record.get("val_perplexity") is not None:
             line += f" | val_perplexity {record['val_perplexity']:.2f}"
-        self._record(record, line)
+        self._merge(record, line)
 
     def write_downstream(self, record: dict) -> None:
         """The downstream evaluation's record of a step (`eval/<task>/<metric>`, `eval/seconds`)."""
         shown = [f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("eval/") and k != "eval/seconds"]
-        self._record(record, f"step {record['step']} | " + (" | ".join(shown) or "no downstream metric") +
-                     f" | {record.get('eval/seconds', 0.0):.1f}s")
+        self._merge(record, f"step {record['step']} | " + (" | ".join(shown) or "no downstream metric") +
+                    f" | {record.get('eval/seconds', 0.0):.1f}s")
 
-    def _record(self, record: dict, line: str) -> None:
-        """One line of metrics.jsonl, the record's numbers to the sinks, and `line` on the console."""
-        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
-        self._to_sinks(record)
+    def end_step(self) -> None:
+        """Write the row of the step that ends (if it was logged)."""
+        if self._row is not None:
+            row, self._row = _finite_or_none(self._row), None
+            self._files[METRICS].write(json.dumps(checked(row, check_row)) + "\n")
+
+    def write_event(self, record: dict, sink_step: int | None = None) -> None:
+        """A line of events.jsonl ({"event": ..., "step": ...}). `sink_step`: the sinks also get the record's
+        numbers, at that step (a checkpoint's are known steps after its own, and W&B takes no step twice)."""
+        self._files[EVENTS].write(json.dumps(checked(_finite_or_none(record), check_event)) + "\n")
+        if sink_step is not None:
+            self._to_sinks(record, sink_step)
+
+    def _merge(self, record: dict, line: str) -> None:
+        if self._row is None or self._row["step"] != record["step"]:
+            raise ValueError(f"step {record['step']}'s evaluation has no training row to join: an evaluation step "
+                             f"is a logged step")
+        self._row.update(record)
+        self._show(record, line)
+
+    def _show(self, record: dict, line: str) -> None:
+        self._to_sinks(record, record["step"])
         if self.progress is not None and not self.progress.disable:
             self.progress.write(line)
         else:
             log.info(line)
 
-    def write_event(self, record: dict, sink_step: int | None = None) -> None:
-        """An event line ({"event": ..., "step": ...}), e.g. a damaged checkpoint moved aside at resume; readers of
-        the steps skip it (`read_events` reads them). `sink_step`: the sinks also get the record's numbers, at that
-        step (a checkpoint's are known steps after its own, and W&B takes no step twice)."""
-        self._file.write(json.dumps(_finite_or_none(record)) + "\n")
-        if sink_step is not None:
-            values = scalars(record)
-            for sink in self.sinks:
-                sink.log(sink_step, values)
-
-    def _to_sinks(self, record: dict) -> None:
+    def _to_sinks(self, record: dict, step: int) -> None:
         values = scalars(record)
         for sink in self.sinks:
-            sink.log(record["step"], values)
+            sink.log(step, values)
 
     def close(self) -> None:
-        """Closes the file and every sink, even when one of them fails."""
+        """Writes the last row, closes the files and every sink, even when one of them fails."""
         with ExitStack() as stack:
-            stack.callback(self._file.close)
+            for f in self._files.values():
+                stack.callback(f.close)
             for sink in self.sinks:
                 stack.callback(sink.close)
+            self.end_step()
 
 
 def open_metrics(cfg, job_dir: Path, progress=None, resume_step: int = 0) -> MetricsWriter:
@@ -224,8 +241,8 @@ def open_metrics(cfg, job_dir: Path, progress=None, resume_step: int = 0) -> Met
     `cfg.logging` enables."""
     sinks = open_sinks(cfg, job_dir, resume_step)
     try:
-        _drop_lines_after(job_dir / "metrics.jsonl", resume_step)
-        return MetricsWriter(job_dir / "metrics.jsonl", progress, sinks)
+        _drop_lines_after(job_dir / METRICS, resume_step)
+        return MetricsWriter(job_dir, progress, sinks)
     except BaseException:
         for sink in sinks:
             sink.close()

@@ -107,12 +107,15 @@ class AfterLoadWatch:
             bad = bad > 0
         self.bad, self.values = bad, torch.stack([loss, grad_norm])
 
-    def check(self, step: int, checkpointer) -> bool:
+    def check(self, step: int, checkpointer, writer=None) -> bool:
         """Raise if step `step` went wrong, after setting aside the checkpoints `checkpointer` saved since; True (and
-        its retention free again) once the watched steps are over."""
+        its retention free again) once the watched steps are over. `writer` (rank 0's) gets the `watch` event."""
+        event = {"event": "watch", "step": step, "checkpoint": str(self.path)}
         if bool(self.bad.item()):
             loss, norm = self.values.tolist()
             moved = checkpointer.set_aside_after(self.path)
+            if writer is not None:
+                writer.write_event({**event, "verdict": "failed", "loss": loss, "grad_norm": norm, "set_aside": moved})
             raise ValueError(f"step {step}, {step - self.until + self.STEPS} step(s) after loading the checkpoint "
                              f"{self.path}, has a loss of {loss:.4f} and a gradient norm of {norm:.4g}: the model "
                              f"loaded cannot train. The checkpoint is damaged (`maester checkpoint verify "
@@ -121,5 +124,7 @@ class AfterLoadWatch:
                              + (f"; the checkpoints saved since, {', '.join(moved)}, are set aside" if moved else ""))
         if step >= self.until:
             checkpointer.hold_retention = False
+            if writer is not None:
+                writer.write_event({**event, "verdict": "passed"})
             return True
         return False

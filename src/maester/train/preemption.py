@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -175,3 +177,12 @@ def clear_markers_of_earlier_runs(job_dir: Path, step: int, steps: int) -> None:
         log.info("%s says training completed at step %d; training.steps = %d: continuing from step %d",
                  job_dir / COMPLETED_FILE, done["step"], steps, step)
         (job_dir / COMPLETED_FILE).unlink()
+
+
+def stop_event(step: int, reason: str, checkpoint: Path) -> dict:
+    """The events.jsonl event of a stop on request, with the SLURM job and its restart count where there is one."""
+    slurm = {"slurm_job_id": os.environ["SLURM_JOB_ID"],
+             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)} \
+        if os.environ.get("SLURM_JOB_ID") else {}
+    return {"event": "stop", "step": step, "reason": reason, "checkpoint": checkpoint.name,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **slurm}

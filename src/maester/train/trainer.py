@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from maester.config import LOAD_MODES, Config
+from maester.config import Config
 from maester.data.batch import IGNORE_INDEX
 from maester.data.downloads import VERIFIED as VERIFIED_DOWNLOADS, verify_downloaded
 from maester.data.loader import build_loader
@@ -25,18 +25,19 @@ from maester.parallel.devices import describe_environment
 from maester.parallel.context_parallel import context_parallel_of
 from maester.parallel.dims import ParallelDims, init_distributed, set_collective_timeout, set_cpu_threads
 from maester.parallel.float8 import Float8Training, check_float8
+from maester.parallel.hosts import gather_hosts, hosts_event
 from maester.parallel.parallelize import uses_loss_parallel
 from maester.parallel.precision import autocast, resolve_precision
 from maester.progress import progress_bar
-from maester.train.checkpoint import Checkpointer, resolve_checkpoint
+from maester.train.checkpoint import Checkpointer
 from maester.train.checkpoint_async import SaveResult, background_group, resolve_async_mode
 from maester.train.checkpoint_dirs import check_seedable
 from maester.train.checkpoint_files import read_trainer_state
 from maester.train.downstream import DownstreamEvaluation, evaluate_downstream
 from maester.train.faults import fault_at, maybe_crash, maybe_hang
 from maester.train.grad_scaler import LossScaler
-from maester.train.hf_weights import fetch_before_process_group, load_hf_weights
-from maester.train.init_from import check_stable_phase, check_steps_left
+from maester.train.hf_weights import fetch_before_process_group
+from maester.train.init_from import check_steps_left
 from maester.models.moe import moe_metrics, update_expert_bias
 from maester.train.metrics import (
     MetricsWindow,
@@ -54,8 +55,10 @@ from maester.train.preemption import (
     StopRequests,
     clear_markers_of_earlier_runs,
     mark_completed,
+    stop_event,
 )
 from maester.train.profiling import Profiler
+from maester.train.run_start import start
 from maester.train.schedule import lr_multiplier, warmup_clamped
 from maester.train.setup import build_training_model, seed_everything, setup_logging
 
@@ -103,6 +106,7 @@ class Trainer:
         setup_logging(self.job_dir, self.rank, per_rank_file=cfg.logging.per_rank_files)
         threads = set_cpu_threads(cfg.training.cpu_threads, self.device)
         log.info("environment: %s%s", describe_environment(self.device), f", {threads}" if threads else "")
+        self.hosts = gather_hosts()  # each rank's hostname, for the log and metrics.jsonl
         self.dims = ParallelDims.from_config(cfg, self.world_size)  # refuses bad layouts before any work
         check_float8(cfg, self.dims, self.device)  # a GPU without float8, DDP, a torchao that does not fit torch
         if cfg.preflight.enabled:  # check the collectives before anything is built; fail_fast raises PreflightFailed
@@ -164,7 +168,8 @@ class Trainer:
         # evaluation.tasks: lm-eval tasks on this sharded model
         self.downstream = DownstreamEvaluation(cfg, self.model, self.tokenizer, self.dims, self.device,
                                                self.precision) if cfg.evaluation.tasks else None
-        self._resume_or_initialise()
+        self.loaded = start(self)  # resume or initialise; the `load` event, None for a fresh start
+        # made once the weights are in place (initialised or loaded): it computes the first step's float8 scales
         self.float8 = Float8Training(self.model, cfg.parallel.cpu_offload) if cfg.training.float8.enabled else None
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
                  "x pp %d; %d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
@@ -173,69 +178,6 @@ class Trainer:
                  self.loader.batch.accumulation_steps,
                  self.loader.batch.micro_batch, cfg.data.seq_len, self.device)
 
-    def _resume_or_initialise(self) -> None:
-        """Resume from the job's own latest checkpoint, with everything in it; else take the parts of
-        `checkpoint.init_from` that `checkpoint.load_mode` names (of an `hf:` directory, the weights only); else start
-        fresh at `checkpoint.step_offset`."""
-        c, latest = self.cfg.checkpoint, self._latest
-        if self._resuming:
-            state = self.checkpointer.load(latest, self.model, self.optimizer, "continue", self.cfg.model.name)
-            self._take_trainer_state(state, LOAD_MODES["continue"])
-            self.after_load = self._watch_after_load(latest)
-            self.provenance = {k: state[k] for k in ("init_from", "load_mode") if k in state}
-            log.info("resumed from %s at step %d", latest, self.step)
-            return
-        if latest is not None:
-            if c.init_from:
-                raise ValueError(f"{self.job_dir} has the seed checkpoint {latest} and checkpoint.init_from is set "
-                                 f"too: start from one of them")
-            self.checkpointer.load(latest, self.model, self.optimizer, "model_only", self.cfg.model.name)
-            self._take_trainer_state({}, LOAD_MODES["model_only"])
-            self.after_load = self._watch_after_load(latest)
-            log.info("initialised model weights from the seed checkpoint %s", latest)
-        elif c.init_from_hf is not None:
-            source = c.init_from_hf  # a directory or a Hub id, resolved where it is read
-            load_hf_weights(source, self.model, self.cfg.model.name, f"checkpoint.init_from = {c.init_from!r}")
-            self._take_trainer_state({}, LOAD_MODES["model_only"])
-            self.provenance = {"init_from": c.init_from, "load_mode": c.load_mode}
-            log.info("initialised the model weights from the Hugging Face directory %s; fresh: optimizer, schedule, "
-                     "data, step; first step %d", source, self.step + 1)
-        elif c.init_from:
-            source, mode = resolve_checkpoint(c.init_from, c.verify), c.load_mode
-            parts = LOAD_MODES[mode]
-            if mode == "cooldown":
-                check_stable_phase(source, self.cfg)
-            state = self.checkpointer.load(source, self.model, self.optimizer, mode, self.cfg.model.name)
-            try:
-                self._take_trainer_state(state, parts)
-            except ValueError as e:  # the data position of other data
-                raise ValueError(f"checkpoint.load_mode = {mode!r} takes the data position of {source}: {e}") from e
-            self.provenance = {"init_from": str(source), "load_mode": mode}
-            self.after_load = self._watch_after_load(source)
-            order = ("model", "optimizer", "schedule", "data", "step")
-            log.info("initialised from %s with load_mode %s: took %s; fresh: %s; first step %d", source, mode,
-                     ", ".join(p for p in order if p in parts),
-                     ", ".join(p for p in order if p not in parts) or "nothing", self.step + 1)
-        else:
-            self._take_trainer_state({}, frozenset())
-
-    def _watch_after_load(self, path: Path) -> AfterLoadWatch:
-        self.checkpointer.hold_retention = self.cfg.checkpoint.verify != "full"
-        return AfterLoadWatch(path, self.step, self.device, self.loss_group)
-
-    def _take_trainer_state(self, state: dict, parts: frozenset[str]) -> None:
-        """Step (and tokens seen), data position and schedule start from a checkpoint's trainer state where
-        `parts` names them; otherwise the step is `checkpoint.step_offset`, the data fresh, and the schedule
-        starts at the next step."""
-        if "step" in parts:
-            self.step, self.tokens_seen = state["step"], state.get("tokens_seen", 0)
-        else:
-            self.step, self.tokens_seen = self.cfg.checkpoint.step_offset, 0
-        if "data" in parts:
-            self.loader.load_state_dict(state["data"])
-        if self.scaler is not None and "optimizer" in parts and "grad_scaler" in state:
-            self.scaler.load_state_dict(state["grad_scaler"])
-        self.schedule_start = state.get("schedule_start", 0) if "schedule" in parts else self.step
 
     def train(self) -> TrainResult:
         """Train to `training.steps`: each step takes its batches, sets the LR and steps the optimizer; then the
@@ -249,9 +191,9 @@ class Trainer:
                 lr_mult = self._set_lr(run.total)
                 loss, grad_norm = self._optimizer_step(batches, stats, run.profiler)
                 self._finish_step(run, batches)
-                if self.after_load is not None and self.after_load.check(self.step, self.checkpointer):
+                if self.after_load is not None and self.after_load.check(self.step, self.checkpointer, run.writer):
                     self.after_load = None
-                if self.step % self.cfg.logging.interval == 0 or self.step in (run.first_step, run.total):
+                if self._logging_due(run):
                     run.loss_value = self._log(run, loss, grad_norm, lr_mult)
                 self._evaluate_if_due(run)
                 if self._checkpoint_due():  # the last step's save is written before the run ends
@@ -289,8 +231,11 @@ class Trainer:
         progress = progress_bar("train", total=total, initial=self.step, unit="step",
                                 disable=True if self.rank != 0 else None)
         writer = open_metrics(cfg, self.job_dir, progress, self.step) if self.rank == 0 else None
-        for record in self.damaged_checkpoints if writer is not None else ():
-            writer.write_event({"event": "checkpoint_damaged", "step": self.step, **record})
+        events = [hosts_event(self.hosts, self.step)] + [{"event": "checkpoint_damaged", "step": self.step, **record}
+                                                         for record in self.damaged_checkpoints] + [self.loaded or {}]
+        for record in events if writer is not None else ():
+            if record:
+                writer.write_event(record)
         run = _Run(total, writer, profiler, progress, StopRequests(self.job_dir, self.rank),
                    MetricsWindow(self.device), long_timeout=self.world_size > 1,
                    flops_per_token=model_flops_per_token(self.whole_model, cfg.data.seq_len),
@@ -398,6 +343,14 @@ class Trainer:
         window.reset()
         return loss_value
 
+    def _logging_due(self, run: _Run) -> bool:
+        """Every `logging.interval` steps, the first and the last, and every step that evaluates (its row holds
+        both)."""
+        step, cfg = self.step, self.cfg
+        validation = cfg.logging.eval_interval and step % cfg.logging.eval_interval == 0
+        downstream = self.downstream is not None and self.downstream.due(step, run.total)
+        return step % cfg.logging.interval == 0 or step in (run.first_step, run.total) or bool(validation or downstream)
+
     def _evaluate_if_due(self, run: _Run) -> None:
         """The validation loss every `logging.eval_interval` steps, the downstream tasks every `evaluation.interval`,
         both at the end, their time kept out of the steps' throughput; after the first step (and evaluation),
@@ -409,6 +362,8 @@ class Trainer:
                 run.writer.write_eval({"step": self.step, **validation})
         if self.downstream is not None and self.downstream.due(self.step, run.total):
             evaluate_downstream(self.downstream, self.step, run.writer)
+        if run.writer is not None:
+            run.writer.end_step()  # the step's row, its evaluations merged in
         run.window.exclude(time.perf_counter() - start)
         if run.long_timeout and (run.evaluated or not cfg.logging.eval_interval):
             set_collective_timeout(cfg.training.train_timeout_seconds, self.dims.process_groups(), device=self.device)
@@ -445,7 +400,7 @@ class Trainer:
 
     def _record_saves(self, run: _Run, wait: bool = False) -> None:
         """The saves that ended (`wait`: the one in flight too): the newest complete is `run.last_checkpoint`, a failed
-        one `run.failed_save` until a later one succeeds; rank 0 writes each one's event line into metrics.jsonl."""
+        one `run.failed_save` until a later one succeeds; rank 0 writes each one's event line into events.jsonl."""
         for result in self.checkpointer.collect(wait):
             if result.error is None:
                 run.last_checkpoint, run.failed_save = result.path, None
@@ -571,15 +526,6 @@ class Trainer:
         if c.interval and self.step % c.interval == 0:
             return True
         return c.save_final and self.step == self.cfg.training.steps
-
-
-def stop_event(step: int, reason: str, checkpoint: Path) -> dict:
-    """The metrics.jsonl event of a stop on request, with the SLURM job and its restart count where there is one."""
-    slurm = {"slurm_job_id": os.environ["SLURM_JOB_ID"],
-             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)} \
-        if os.environ.get("SLURM_JOB_ID") else {}
-    return {"event": "stop", "step": step, "reason": reason, "checkpoint": checkpoint.name,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **slurm}
 
 
 def write_seed_checkpoint(cfg: Config, job_dir: Path) -> Path:
