@@ -19,12 +19,13 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 # Bottom to top: a module may import its own layer and the ones below it.
 LAYERS = [
     # the ground floor: files, progress bars, the config sections' base class and error messages, exit codes, Hub ids,
-    # durations as text
+    # durations as text, the GPU's defaults
     ("maester.files", "maester.progress", "maester.config.base", "maester.exit_codes", "maester.hub", "maester.cpus",
-     "maester.durations"),
+     "maester.durations", "maester.gpu_defaults"),
     ("maester.models",),  # the single-device model, its loss, HF name maps, its config sections
-    # the tree, its sections, its sources (`maester.config.base` is on the ground floor, listed first)
-    ("maester.config",),
+    # the tree, its sections, its sources (`maester.config.base` is on the ground floor, listed first); the
+    # combinations of settings maester refuses
+    ("maester.config", "maester.combinations"),
     # loaders; device meshes, sharding, precision, preflight; lm-evaluation-harness: the model as its LM, the tasks
     ("maester.data", "maester.parallel", "maester.evaluation"),
     ("maester.train",),  # the trainer, checkpoints, optimizers, metrics

@@ -308,6 +308,11 @@ class Float8Training:
     """The run's float8 work around the optimizer step."""
 
     def __init__(self, model: nn.Module, cpu_offload: bool = False):
+        """Made once the weights are in place (initialised or loaded), on every rank at once: it computes the first
+        step's scales (a collective) as `after_optimizer_step` computes every later step's. Without them the first
+        step's all-gather computes each weight's scale itself, from its amax over the FSDP shards only: under TP x
+        FSDP each TP shard then has a scale of its own, and a run resumed from a checkpoint differed from the run
+        it continues at its first step."""
         self.model = model
         # FSDP's float8 all-gather takes each weight's scale from `precompute` when one is set (torchao's
         # WeightWithDynamicFloat8CastTensor); set only where a layer all-gathers in float8.
@@ -318,6 +323,7 @@ class Float8Training:
             self.precompute = False
             log.info("float8: scales are not precomputed after the optimizer step under parallel.cpu_offload (the "
                      "shards' copies to the GPU drop them); each layer computes its scale in its all-gather")
+        self.after_optimizer_step()
 
     def after_optimizer_step(self) -> None:
         """The float8 scales of all FSDP-sharded float8 weights from their new values, in one all-reduce for all

@@ -8,7 +8,8 @@
 | `fp16`      | float32                        | FSDP mixed precision, fp16    | autocast fp16                 | dynamic      |
 
 Under FSDP the mixed-precision policy alone casts (no autocast on top), as torchtitan does: two mechanisms
-casting the same tensors hid that `fp32` computed in bf16. `auto` is `bf16` on GPUs and `fp32` on CPU.
+casting the same tensors hid that `fp32` computed in bf16. `auto` is `bf16` on GPUs and `fp32` on CPU (bf16 there too
+under the test switch of `maester.gpu_defaults`).
 Gradients are reduced in `parallel.reduce_dtype` (float32 by default) in every mode.
 
 Inference (`maester generate`, `maester chat`) stores and computes in one dtype, `inference_dtype`: `auto` is
@@ -20,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from maester.gpu_defaults import resolves_as
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _COMPUTE = {"fp32": "float32", "bf16": "bfloat16", "bf16-pure": "bfloat16", "fp16": "float16"}
@@ -38,7 +41,7 @@ class Precision:
 def resolve_precision(precision: str, param_dtype: str, device_type: str, fsdp: bool) -> Precision:
     """`precision` is `training.precision`, `param_dtype` is `parallel.param_dtype` (`auto` follows the
     precision; another value must agree with it), `fsdp` whether FSDP shards the model."""
-    mode = precision if precision != "auto" else ("bf16" if device_type == "cuda" else "fp32")
+    mode = precision if precision != "auto" else ("bf16" if resolves_as(device_type) == "cuda" else "fp32")
     if mode not in _COMPUTE:
         raise ValueError(f"training.precision = {precision!r} is not one of auto, {', '.join(_COMPUTE)}")
     compute = _COMPUTE[mode]
@@ -57,7 +60,7 @@ def resolve_precision(precision: str, param_dtype: str, device_type: str, fsdp: 
 def inference_dtype(choice: str, device_type: str) -> torch.dtype:
     """The dtype a model is loaded and run in for generation: `choice` is one of `DTYPES` or `auto`."""
     if choice == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
+        return torch.bfloat16 if resolves_as(device_type) == "cuda" else torch.float32
     if choice not in DTYPES:
         raise ValueError(f"--dtype {choice!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[choice]

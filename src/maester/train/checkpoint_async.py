@@ -59,10 +59,13 @@ class Phases:
 
 def resolve_async_mode(setting: str, device_type: str) -> str:
     """`checkpoint.async_mode` for a run on `device_type`: `auto` is `async` on CUDA (the staging copy from the GPU
-    is several times faster than the disk) and `off` elsewhere; `pinned` needs CUDA and is refused elsewhere. Whether
-    the host copies fit is decided once the model is built (`BackgroundSaves.fit_host_memory`)."""
+    is several times faster than the disk) and `off` elsewhere (`async` on the CPU too under the test switch of
+    `maester.gpu_defaults`); `pinned` needs CUDA and is refused elsewhere. Whether the host copies fit is decided
+    once the model is built (`BackgroundSaves.fit_host_memory`)."""
+    from maester.gpu_defaults import resolves_as
+
     if setting == "auto":
-        return "async" if device_type == "cuda" else "off"
+        return "async" if resolves_as(device_type) == "cuda" else "off"
     if setting == "pinned" and device_type != "cuda":
         raise ValueError(f"checkpoint.async_mode = 'pinned' stages checkpoints in page-locked host memory for fast "
                          f"copies from a GPU, which needs CUDA; this run trains on {device_type}: use 'async' "

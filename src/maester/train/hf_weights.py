@@ -57,12 +57,15 @@ def load_hf_weights(path: str | Path, model: nn.Module, name: str, where: str) -
             state = _read_hf_state(path, model, name, where)
         except Exception as e:  # raised below, after every rank has heard of it
             error = e
-    outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+    # a refusal (ValueError: another architecture) is the same refusal on every rank; anything else is named
+    outcome = [None if error is None else (isinstance(error, ValueError), f"{type(error).__name__}: {error}",
+                                           str(error))]
     torch.distributed.broadcast_object_list(outcome, src=0)
     if error is not None:
         raise error
     if outcome[0] is not None:
-        raise RuntimeError(f"{where}: rank 0 could not load {path}: {outcome[0]}")
+        refused, named, message = outcome[0]
+        raise ValueError(message) if refused else RuntimeError(f"{where}: rank 0 could not load {path}: {named}")
     set_model_state_dict(model, state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
+from maester.gpu_defaults import resolves_as
 from maester.train.muon_sharding import Layouts, ShardedMatrix, layout_name, local, work_on_whole
 
 # The quintic of the modded-nanogpt speedruns: it pushes every singular value of a normalised matrix into
@@ -114,7 +115,7 @@ class Muon(torch.optim.Optimizer):
     `momentum_warmup_start`, `normuon`, `normuon_beta2`; AdamW groups use `lr`, `weight_decay`, `betas`,
     `eps`, `foreach`, `fused` (passed to torch's AdamW function). For the whole optimizer: `coefficients`
     (`quintic` or `polar_express`), `ns_dtype` (the Newton-Schulz precision; None: bfloat16 on CUDA, float32
-    elsewhere) and `splits`, mapping a fused parameter to the row counts of the matrices stacked in it.
+    elsewhere, as `maester.gpu_defaults.resolves_as` says) and `splits`, mapping a fused parameter to the row counts of the matrices stacked in it.
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], *, lr: float = 0.02,
@@ -246,7 +247,7 @@ class Muon(torch.optim.Optimizer):
         g, buf = local(grad), local(state["momentum_buffer"])
         buf.mul_(mu).add_(g)
         update = g.add(buf, alpha=mu) if group["nesterov"] else buf
-        ns_dtype = self.ns_dtype or (torch.bfloat16 if update.device.type == "cuda" else torch.float32)
+        ns_dtype = self.ns_dtype or (torch.bfloat16 if resolves_as(update.device.type) == "cuda" else torch.float32)
         return _Matrix(p, group, self.splits.get(p, (p.shape[0],)),
                        ShardedMatrix(update, tuple(p.shape), layout, ns_dtype, row_values=group["normuon"]))
 

@@ -137,7 +137,6 @@ class Trainer:
         # fp16: the loss scaler, made with the parameters, on their device
         self.scaler = LossScaler(next(iter(self.model.parameters())).device) if self.precision.loss_scaling else None
         self.loss_parallel = uses_loss_parallel(self.model)
-        self.float8 = Float8Training(self.model, cfg.parallel.cpu_offload) if cfg.training.float8.enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device, log_groups=True)
         self.checkpointer.fit_host_memory(cfg.checkpoint.async_mode, self.model, self.optimizer)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # before a checkpoint's are loaded
@@ -170,6 +169,8 @@ class Trainer:
         self.downstream = DownstreamEvaluation(cfg, self.model, self.tokenizer, self.dims, self.device,
                                                self.precision) if cfg.evaluation.tasks else None
         self.loaded = start(self)  # resume or initialise; the `load` event, None for a fresh start
+        # made once the weights are in place (initialised or loaded): it computes the first step's float8 scales
+        self.float8 = Float8Training(self.model, cfg.parallel.cpu_offload) if cfg.training.float8.enabled else None
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
                  "x pp %d; %d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
                  cfg.model.name, cfg.model.flavor, f"{count_parameters(self.whole_model):,}", self.world_size,

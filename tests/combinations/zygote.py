@@ -1,0 +1,117 @@
+"""A process that imports torch and maester once, then forks a fresh process for each command it is sent.
+
+The seconds of a Python process are its imports (torch, maester, torchao: about ten seconds of CPU each on the
+machines the suite runs on); the combination matrix starts hundreds of processes, each of which must be fresh: a
+run killed with SIGKILL, a resume or an export that shares nothing with the run that wrote its checkpoint. A fork of
+this process is such a process, without the imports: it has done no work, started no thread of torch's, opened no
+process group and loaded no checkpoint. Each child gets its own process group (so that a SIGKILL takes its helpers
+too), its environment, working directory and a log file for its stdout and stderr, and calls one function.
+
+Protocol, one JSON object per line. In (stdin): {"id": n, "call": "module:function", "args": [...], "env": {...},
+"cwd": path, "log": path}. Out (stdout): {"id": n, "pid": p} once the child runs, and {"pid": p, "status": s, "cpu": c} when it
+ended (its exit code, or minus the signal that ended it; the CPU seconds it and the processes it waited for took). End of input: the zygote kills the children it still has and
+exits; they die with it too, however it ends.
+
+Run as `python -m tests.combinations.zygote MODULE...`: the modules to import first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import sys
+
+
+def _send(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def _child(request: dict) -> None:
+    """Runs in the forked child and never returns."""
+    code = 1
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the zygote, however it ends
+        os.setpgid(0, 0)
+        os.chdir(request["cwd"])
+        os.environ.update(request["env"])
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        module, _, name = request["call"].partition(":")
+        function = getattr(importlib.import_module(module), name)
+        try:
+            function(*request["args"])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 (what failed goes to the child's log, and its exit code says so)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+_live: set[int] = set()
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _live.discard(pid)
+        _send({"pid": pid, "status": os.waitstatus_to_exitcode(status),
+               "cpu": round(usage.ru_utime + usage.ru_stime, 3)})
+
+
+def main(preload: list[str]) -> None:
+    for module in preload:
+        importlib.import_module(module)
+    _send({"ready": True})
+    pending = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.05)
+        _reap()
+        if not ready:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:  # the caller is gone: so are the children it left
+            for pid in _live:
+                try:
+                    os.killpg(pid, 9)
+                except ProcessLookupError:
+                    pass
+            return
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _child(request)
+            _live.add(pid)
+            _send({"id": request["id"], "pid": pid})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
