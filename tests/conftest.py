@@ -22,9 +22,15 @@ def _isolated_cache(tmp_path, monkeypatch):
 
 
 def pytest_runtest_logreport(report):
-    """With MAESTER_TEST_TIMES=FILE, each test's seconds are appended to FILE as it ends (a long run's slowest
-    tests can be read while it goes on; --durations prints them only at the end)."""
+    """With MAESTER_TEST_TIMES=FILE, each test's seconds are appended to FILE as it ends, and a failure's report to
+    FILE.failures (a long run's slowest tests and failures can be read while it goes on; --durations and the
+    failures' tracebacks come only at the end)."""
     path = os.environ.get("MAESTER_TEST_TIMES")
-    if path and report.when == "call" or path and report.when == "setup" and report.duration > 1:
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") is None and hasattr(report, "node"):
+        return  # under xdist, the worker writes (the controller gets each report again)
+    if report.when == "call" or report.duration > 1:
         with open(path, "a") as f:
             f.write(f"{report.duration:.1f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")
+    if report.failed:
+        with open(path + ".failures", "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")

@@ -168,8 +168,7 @@ class Trainer:
         # evaluation.tasks: lm-eval tasks on this sharded model
         self.downstream = DownstreamEvaluation(cfg, self.model, self.tokenizer, self.dims, self.device,
                                                self.precision) if cfg.evaluation.tasks else None
-        self.loaded = start(self)  # resume or initialise; the `load` event, None for a fresh start
-        # made once the weights are in place (initialised or loaded): it computes the first step's float8 scales
+        self.loaded = start(self)  # resume or initialise (float8 below: from the weights in place); the `load` event
         self.float8 = Float8Training(self.model, cfg.parallel.cpu_offload) if cfg.training.float8.enabled else None
         log.info("model %s/%s: %s parameters; %d process(es): dp_replicate %d x dp_shard %d (ep %d) x cp %d x tp %d "
                  "x pp %d; %d accumulation step(s) of %d sequence(s) x %d tokens per dp rank; device %s",
