@@ -22,10 +22,10 @@ def _isolated_cache(tmp_path, monkeypatch):
 
 
 def pytest_runtest_logreport(report):
-    """With MAESTER_TEST_TIMES=FILE, each test's seconds are appended to FILE as it ends, and a failure's report to
+    """With _MAESTER_TEST_TIMES=FILE, each test's seconds are appended to FILE as it ends, and a failure's report to
     FILE.failures (a long run's slowest tests and failures can be read while it goes on; --durations and the
     failures' tracebacks come only at the end)."""
-    path = os.environ.get("MAESTER_TEST_TIMES")
+    path = os.environ.get("_MAESTER_TEST_TIMES")
     if not path or os.environ.get("PYTEST_XDIST_WORKER") is None and hasattr(report, "node"):
         return  # under xdist, the worker writes (the controller gets each report again)
     if report.when == "call" or report.duration > 1:
