@@ -298,19 +298,7 @@ def draw_dashboard(job_dir: Path, cfg: Config, train: list[dict], evals: list[di
     if downstream:
         _draw_downstream(axes[2], downstream)
 
-    loss_ax.plot(steps, series("loss"), label="training", **style)
-    if evals:
-        loss_ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color="C1", lw=1.4, ms=5,
-                     label="validation")
-        for i, name in enumerate(_validation_sources(evals)):
-            points = [(r["step"], r[f"val/{name}/loss"]) for r in evals if r.get(f"val/{name}/loss") is not None]
-            loss_ax.plot(*zip(*points), "s--", color=f"C{i + 4}", lw=1.0, ms=3, label=f"validation: {name}")
-    nonfinite = [r["step"] for r in train if r["loss"] is None]
-    for i, step in enumerate(nonfinite):
-        loss_ax.axvline(step, color="C3", lw=0.8, alpha=0.6, label="non-finite loss" if i == 0 else None)
-    if evals or nonfinite:
-        loss_ax.legend()
-    loss_ax.set_title("loss")
+    _draw_loss(loss_ax, train, evals, steps, series("loss"), style)
 
     for label, values in _lr_curves(train).items():
         lr_ax.plot(steps, values, label=label, **style)
@@ -364,6 +352,23 @@ def draw_dashboard(job_dir: Path, cfg: Config, train: list[dict], evals: list[di
     fig.tight_layout()
     fig.savefig(out, format="png")
     plt.close(fig)
+
+
+def _draw_loss(loss_ax, train: list[dict], evals: list[dict], steps: list[int], loss: list[float], style: dict) -> None:
+    """The loss panel: training, validation (overall and per source), and a line at each non-finite step."""
+    loss_ax.plot(steps, loss, label="training", **style)
+    if evals:
+        loss_ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color="C1", lw=1.4, ms=5,
+                     label="validation")
+        for i, name in enumerate(_validation_sources(evals)):
+            points = [(r["step"], r[f"val/{name}/loss"]) for r in evals if r.get(f"val/{name}/loss") is not None]
+            loss_ax.plot(*zip(*points), "s--", color=f"C{i + 4}", lw=1.0, ms=3, label=f"validation: {name}")
+    nonfinite = [r["step"] for r in train if r["loss"] is None]
+    for i, step in enumerate(nonfinite):
+        loss_ax.axvline(step, color="C3", lw=0.8, alpha=0.6, label="non-finite loss" if i == 0 else None)
+    if evals or nonfinite:
+        loss_ax.legend()
+    loss_ax.set_title("loss")
 
 
 def _draw_downstream(axes, downstream: list[dict]) -> None:
