@@ -106,7 +106,8 @@ def write_data(folder: str) -> None:
     """The built-in corpora as JSONL files in `folder` (`pydoc.jsonl`: text; `pydoc-chat.jsonl`: messages)."""
     from pathlib import Path
 
-    import maester.config  # noqa: F401  (what every stage imports first: a missing package shows here)
+    from maester.config import JobConfig, load_config  # noqa: F401  (what every stage imports first: the package is
+    # lazy, so name what needs pydantic; a missing package shows here)
     from maester.data.builtin_corpora import pydoc_conversations, pydoc_documents
     from maester.files import write_atomically
 
