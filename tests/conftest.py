@@ -21,6 +21,27 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """With _MAESTER_TEST_TIMES=FILE, also each test's CPU seconds (its worker's and those of the processes it
+    waited for) and wall seconds, setup to teardown, to FILE.cpu: which tests wait and which compute."""
+    path = os.environ.get("_MAESTER_TEST_TIMES")
+    if not path:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    cpu0, wall0 = cpu(), time.monotonic()
+    yield
+    with open(path + ".cpu", "a") as f:
+        f.write(f"{cpu() - cpu0:.1f}\t{time.monotonic() - wall0:.1f}\t{item.nodeid}\n")
+
+
 def pytest_runtest_logreport(report):
     """With _MAESTER_TEST_TIMES=FILE, each test's seconds are appended to FILE as it ends, and a failure's report to
     FILE.failures (a long run's slowest tests and failures can be read while it goes on; --durations and the
