@@ -49,15 +49,29 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run_maester(args: list[str], cwd: Path, env: dict[str, str] | None = None,
                 timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "maester", *args], cwd=cwd, env=env or clean_env(),
+    """`python -m maester ARGS`: a fresh process, forked from one that imported torch and maester (`tests.forks`)."""
+    from tests import forks
+
+    env = env or clean_env()
+    forked = forks.run(args, cwd, env, timeout)
+    if forked is not None:
+        return forked
+    return subprocess.run([sys.executable, "-m", "maester", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
-             timeout: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=N -m maester ARGS` on this machine (gloo on CPU)."""
+             timeout: float = 300, agent: bool = False) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N -m maester ARGS` on this machine (gloo on CPU): its ranks forked
+    from one process that imported torch and maester (`tests.forks`), or with `agent` real torchrun, for tests of
+    what its agent does."""
+    from tests import forks
+
     env = env or clean_env()
     env.setdefault("OMP_NUM_THREADS", "1")
+    forked = None if agent else forks.torchrun(nproc, args, cwd, env, timeout)
+    if forked is not None:
+        return forked
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc_per_node={nproc}", "-m", "maester", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.combinations.processes import Ranks, Zygote
+from tests.processes import Ranks, Zygote
 
 STEPS, SAVED, COMPARED = 6, 3, (4, 5)
 PHASE_TIMEOUT = 900.0  # seconds; a compile on a machine five times oversubscribed takes minutes

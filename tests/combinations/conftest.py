@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.combinations.cells import FAMILY, Files
-from tests.combinations.processes import REPO, Zygote
+from tests.processes import REPO, Zygote
 from tests.helpers import clean_env, write_corpus
 
 TRAIN_PRELOAD = ["torch", "maester.cli", "maester.train.trainer", "maester.parallel.parallelize",

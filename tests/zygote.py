@@ -8,11 +8,13 @@ process group and loaded no checkpoint. Each child gets its own process group (s
 too), its environment, working directory and a log file for its stdout and stderr, and calls one function.
 
 Protocol, one JSON object per line. In (stdin): {"id": n, "call": "module:function", "args": [...], "env": {...},
-"cwd": path, "log": path}. Out (stdout): {"id": n, "pid": p} once the child runs, and {"pid": p, "status": s, "cpu": c} when it
+"cwd": path, "log": path}, and optionally "err": path (stderr apart from stdout), "replace_env": true (`env` is the
+whole environment, not additions) and "argv": [...] (sys.argv, and sys.path[0] the working directory, as
+`python -m` has them). Out (stdout): {"id": n, "pid": p} once the child runs, and {"pid": p, "status": s, "cpu": c} when it
 ended (its exit code, or minus the signal that ended it; the CPU seconds it and the processes it waited for took). End of input: the zygote kills the children it still has and
 exits; they die with it too, however it ends.
 
-Run as `python -m tests.combinations.zygote MODULE...`: the modules to import first.
+Run as `python -m tests.zygote MODULE...`: the modules to import first.
 """
 
 from __future__ import annotations
@@ -39,11 +41,18 @@ def _child(request: dict) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the zygote, however it ends
         os.setpgid(0, 0)
         os.chdir(request["cwd"])
+        if request.get("replace_env"):
+            os.environ.clear()
         os.environ.update(request["env"])
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
+        if "OMP_NUM_THREADS" in os.environ and "torch" in sys.modules:  # OpenMP read it when torch loaded here
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if "argv" in request:
+            sys.argv = request["argv"]
+            sys.path[0] = os.getcwd()
+        for fd, key in ((1, "log"), (2, "err" if "err" in request else "log")):
+            log = os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(log, fd)
+            os.close(log)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -54,18 +63,33 @@ def _child(request: dict) -> None:
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)  # as the interpreter does
     except BaseException:  # noqa: BLE001 (what failed goes to the child's log, and its exit code says so)
         import traceback
 
         traceback.print_exc()
         code = 1
     finally:
+        try:
+            _shutdown()
+        except BaseException:  # noqa: BLE001
+            pass
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def _shutdown() -> None:
+    """What the interpreter does at exit: wait for the threads that are not daemons, then run the atexit hooks."""
+    import atexit
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
 
 
 _live: set[int] = set()

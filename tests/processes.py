@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Zygote:
@@ -22,7 +22,7 @@ class Zygote:
 
     def __init__(self, preload: list[str], env: dict[str, str], log: Path, timeout: float = 600):
         self._log = open(log, "a")
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.combinations.zygote", *preload], cwd=REPO,
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", *preload], cwd=REPO,
                                       env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                       text=True, bufsize=1)
         self._lock = threading.Condition()
@@ -57,13 +57,13 @@ class Zygote:
                 self._lock.notify_all()
 
     def start(self, call: str, args: list, log: Path, env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> int:
+              cwd: Path | None = None, **options) -> int:
         """A new process calling `call` ("module:function") with `args` (JSON values), its output in `log`;
-        returns its pid."""
+        returns its pid. `options`: the protocol's optional keys (`zygote.py`)."""
         with self._lock:
             request_id, self._next = self._next, self._next + 1
         request = {"id": request_id, "call": call, "args": args, "env": env or {}, "cwd": str(cwd or REPO),
-                   "log": str(log)}
+                   "log": str(log), **options}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         with self._lock:
@@ -72,6 +72,9 @@ class Zygote:
             if request_id not in self._pids:
                 raise RuntimeError(f"the zygote ended with {self._proc.returncode}")
             return self._pids[request_id]
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
 
     def status(self, pid: int) -> int | None:
         with self._lock:
