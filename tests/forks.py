@@ -106,15 +106,22 @@ def run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subp
     return subprocess.CompletedProcess(command, status, stdout, stderr)
 
 
-def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str],
-             timeout: float) -> subprocess.CompletedProcess | None:
-    """`torchrun --standalone --nproc_per_node=N -m maester ARGS` as N forks with torchrun's variables, their
-    outputs in rank order; None where it must be a real torchrun."""
+def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str], timeout: float,
+             script: Path | None = None) -> subprocess.CompletedProcess | None:
+    """`torchrun --standalone --nproc_per_node=N -m maester ARGS` (or `SCRIPT ARGS`) as N forks with torchrun's
+    variables, their outputs in rank order; None where it must be a real torchrun."""
     zygote = zygote_for(env)
     if zygote is None:
         return None
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "maester", *args]
+    target = ["-m", "maester"] if script is None else [str(script)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target,
+               *args]
+    if script is None:
+        call, call_args = "maester.cli:main", [args]
+        where = dict(argv=[str(REPO / "src" / "maester" / "__main__.py"), *args])
+    else:
+        call, call_args = "runpy:run_path", [str(script), None, "__main__"]
+        where = dict(argv=[str(script), *args], path0=str(Path(script).parent))
     port = str(free_port())
     with tempfile.TemporaryDirectory(prefix="maester-fork-") as folder:
         logs = [_outputs(Path(folder), f"rank{r}") for r in range(nproc)]
@@ -126,9 +133,8 @@ def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str],
                         "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                         "TORCHELASTIC_RUN_ID": "none"}
             rank_env.setdefault("OMP_NUM_THREADS", "1")
-            pids.append(zygote.start("maester.cli:main", [args], logs[rank][0], env=rank_env, cwd=Path(cwd),
-                                     err=str(logs[rank][1]), replace_env=True,
-                                     argv=[str(REPO / "src" / "maester" / "__main__.py"), *args]))
+            pids.append(zygote.start(call, call_args, logs[rank][0], env=rank_env, cwd=Path(cwd),
+                                     err=str(logs[rank][1]), replace_env=True, **where))
         statuses = _wait(zygote, pids, timeout, command, logs)
         stdout, stderr = _read(logs)
     return subprocess.CompletedProcess(command, 0 if all(s == 0 for s in statuses) else 1, stdout, stderr)

@@ -61,19 +61,20 @@ def run_maester(args: list[str], cwd: Path, env: dict[str, str] | None = None,
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
-             timeout: float = 300, agent: bool = False) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=N -m maester ARGS` on this machine (gloo on CPU): its ranks forked
-    from one process that imported torch and maester (`tests.forks`), or with `agent` real torchrun, for tests of
-    what its agent does."""
+             timeout: float = 300, agent: bool = False, script: Path | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N -m maester ARGS` (or `SCRIPT ARGS`) on this machine (gloo on
+    CPU): its ranks forked from one process that imported torch and maester (`tests.forks`), or with `agent` real
+    torchrun, for tests of what its agent does."""
     from tests import forks
 
     env = env or clean_env()
     env.setdefault("OMP_NUM_THREADS", "1")
-    forked = None if agent else forks.torchrun(nproc, args, cwd, env, timeout)
+    forked = None if agent else forks.torchrun(nproc, args, cwd, env, timeout, script)
     if forked is not None:
         return forked
+    target = ["-m", "maester"] if script is None else [str(script)]
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={nproc}", "-m", "maester", *args],
+                           f"--nproc_per_node={nproc}", *target, *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 

@@ -9,26 +9,20 @@ group's device->backend map) and check them against the map.
 from __future__ import annotations
 
 import json
-import sys
 
 import torch.distributed as dist
 
 from tests.data.test_sft import write_conversations
 from tests.distributed.collective_audit import unserved
-from tests.helpers import REPO, clean_env, tiny_overrides, write_corpus
+from tests.helpers import REPO, tiny_overrides, torchrun, write_corpus
 
-import subprocess
 
 
 def audit(tmp_path, name, overrides, ddp_sync: list | None = None, reads: list | None = None) -> list[dict]:
     """The collectives of both ranks; `reads`, when given, gets their host reads."""
     out = tmp_path / f"audit-{name}"
     reads = [] if reads is None else reads
-    env = clean_env(OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "distributed" / "collective_audit.py"), str(out), *overrides],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    proc = torchrun(2, [str(out), *overrides], tmp_path, script=REPO / "tests" / "distributed" / "collective_audit.py")
     assert proc.returncode == 0, proc.stderr[-4000:]
     reads.extend(json.loads((out / "reads-0.json").read_text()) + json.loads((out / "reads-1.json").read_text()))
     if ddp_sync is not None:

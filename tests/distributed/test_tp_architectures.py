@@ -77,10 +77,15 @@ def _worker(rank: int, world: int, store: str, name: str, tied: bool, errors):
     os._exit(0)
 
 
+# The processes fork from a server that imported these once (11 cases, 22 processes), not each anew (spawn).
+PRELOAD = ["torch", "torch.distributed.tensor", "maester.models.build", "maester.parallel.parallelize", __name__]
+
+
 @pytest.mark.parametrize("name, tied", CASES, ids=[f"{n}-{'tied' if t else 'untied'}" for n, t in CASES])
 def test_tensor_parallel_matches_one_process(name, tied, tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     errors = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(2, str(tmp_path / "store"), name, tied, errors), nprocs=2, join=True,
-                       start_method="spawn")
+                       start_method="forkserver")
     assert errors.empty(), errors.get()
