@@ -137,4 +137,20 @@ def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str], timeou
                                      err=str(logs[rank][1]), replace_env=True, **where))
         statuses = _wait(zygote, pids, timeout, command, logs)
         stdout, stderr = _read(logs)
-    return subprocess.CompletedProcess(command, 0 if all(s == 0 for s in statuses) else 1, stdout, stderr)
+    return subprocess.CompletedProcess(command, 0 if all(s == 0 for s in statuses) else 1, stdout,
+                                       stderr + _failures(statuses, pids))
+
+
+def _failures(statuses: list[int], pids: list[int]) -> str:
+    """The lines of torchrun's summary (ChildFailedError) for the ranks that failed."""
+    import signal
+
+    lines = []
+    for rank, (status, pid) in enumerate(zip(statuses, pids)):
+        if status:
+            cause = (f"Signal {-status} ({signal.Signals(-status).name}) received by PID {pid}" if status < 0
+                     else "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")
+            lines.append(f"[{rank}]:\n  rank      : {rank} (local_rank: {rank})\n  exitcode  : {status} (pid: {pid})\n"
+                         f"  traceback : {cause}\n")
+    return "" if not lines else "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\nFailures:\n" + \
+        "".join(lines)
