@@ -34,12 +34,17 @@ _zygote: Zygote | None = None
 _zygote_env: dict[str, str] = {}
 
 
-def _import_time(env: dict[str, str]) -> dict[str, str]:
+def _as_the_cli_sets_it(env: dict[str, str]) -> dict[str, str]:
     from maester.cpus import prefer_passive_waiting
 
     env = dict(env)
     prefer_passive_waiting(env)  # what `maester.cli.main` does before torch loads
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and k not in SET_IN_THE_CHILD}
+    return env
+
+
+def _import_time(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in _as_the_cli_sets_it(env).items() if k.startswith(IMPORT_TIME) and
+            k not in SET_IN_THE_CHILD}
 
 
 def zygote_for(env: dict[str, str]) -> Zygote | None:
@@ -99,8 +104,9 @@ def run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subp
     command = [sys.executable, "-m", "maester", *args]
     with tempfile.TemporaryDirectory(prefix="maester-fork-") as folder:
         out, err = _outputs(Path(folder), "maester")
-        pid = zygote.start("maester.cli:main", [args], out, env=env, cwd=Path(cwd), err=str(err), replace_env=True,
-                           argv=[str(REPO / "src" / "maester" / "__main__.py"), *args])
+        pid = zygote.start("maester.cli:main", [args], out, env=_as_the_cli_sets_it(env), cwd=Path(cwd), err=str(err),
+                           replace_env=True, argv=[str(REPO / "src" / "maester" / "__main__.py"), *args],
+                           main="maester.__main__")
         (status,) = _wait(zygote, [pid], timeout, command, [(out, err)])
         stdout, stderr = _read([(out, err)])
     return subprocess.CompletedProcess(command, status, stdout, stderr)
@@ -118,7 +124,7 @@ def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str], timeou
                *args]
     if script is None:
         call, call_args = "maester.cli:main", [args]
-        where = dict(argv=[str(REPO / "src" / "maester" / "__main__.py"), *args])
+        where = dict(argv=[str(REPO / "src" / "maester" / "__main__.py"), *args], main="maester.__main__")
     else:
         call, call_args = "runpy:run_path", [str(script), None, "__main__"]
         where = dict(argv=[str(script), *args], path0=str(Path(script).parent))
@@ -127,8 +133,8 @@ def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str], timeou
         logs = [_outputs(Path(folder), f"rank{r}") for r in range(nproc)]
         pids = []
         for rank in range(nproc):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-                        "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
+            rank_env = {**(env if script else _as_the_cli_sets_it(env)), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                        "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
                         "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                         "TORCHELASTIC_RUN_ID": "none"}

@@ -10,7 +10,8 @@ too), its environment, working directory and a log file for its stdout and stder
 Protocol, one JSON object per line. In (stdin): {"id": n, "call": "module:function", "args": [...], "env": {...},
 "cwd": path, "log": path}, and optionally "err": path (stderr apart from stdout), "replace_env": true (`env` is the
 whole environment, not additions) "argv": [...] (sys.argv, and sys.path[0] the working directory, as
-`python -m` has them) and "path0" (sys.path[0] instead: a script's folder). Out (stdout): {"id": n, "pid": p} once the child runs, and {"pid": p, "status": s, "cpu": c} when it
+`python -m` has them), "path0" (sys.path[0] instead: a script's folder) and "main" (the module that is
+`__main__`, as `python -m MODULE` makes it). Out (stdout): {"id": n, "pid": p} once the child runs, and {"pid": p, "status": s, "cpu": c} when it
 ended (its exit code, or minus the signal that ended it; the CPU seconds it and the processes it waited for took). End of input: the zygote kills the children it still has and
 exits; they die with it too, however it ends.
 
@@ -49,6 +50,8 @@ def _child(request: dict) -> None:
         if "argv" in request:
             sys.argv = request["argv"]
             sys.path[0] = request.get("path0", os.getcwd())
+        if "main" in request:  # what multiprocessing's spawned children import as their __main__
+            sys.modules["__main__"] = importlib.import_module(request["main"])
         for fd, key in ((1, "log"), (2, "err" if "err" in request else "log")):
             log = os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(log, fd)
