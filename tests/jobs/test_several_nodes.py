@@ -32,6 +32,31 @@ def test_more_min_nodes_than_nodes_is_refused():
         load_config(DEMO_CONFIG, ["--slurm.nodes=2", "--slurm.min_nodes=3"], environ={})
 
 
+def test_a_launcher_that_loses_the_rendezvous_store_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """The first node's launcher ended (its ranks stopped for a requeue) while this node's agent still watched its
+    ranks: its next look at the store fails. One line and exit 6, nothing recorded (the first node's record or the
+    requeue decides). Fault: torchrun's RendezvousConnectionError traceback, exit 1 (seen on the two-node cluster)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from maester.jobs.torchrun import FAILURE_FILE, main
+
+    def store_gone(args):
+        try:
+            raise RuntimeError("Connection reset by peer")
+        except RuntimeError as e:
+            raise RendezvousConnectionError("The connection to the C10d store has failed.") from e
+
+    monkeypatch.setattr(torchrun, "run", store_gone)
+    job = tmp_path / "job"
+    job.mkdir()
+    code = main(["--nnodes=2", "--nproc_per_node=1", "--rdzv_endpoint=node1:29500", "-m", "maester", "train",
+                 str(job)])
+    err = capsys.readouterr().err
+    assert code == 6 and "lost the rendezvous store (Connection reset by peer)" in err and "Traceback" not in err
+    assert not (job / FAILURE_FILE).exists()
+
+
 def test_the_launcher_refuses_several_nodes_meeting_on_the_loopback(tmp_path):
     """Exit 2 (never restarted) and the failure recorded, before torchrun starts anything: on a cluster each node
     would wait for itself until the rendezvous timed out."""

@@ -11,6 +11,8 @@ script runs it on each node, ending the way a job script can read.
 - Instead of torchrun's `ChildFailedError` traceback and its per-process lines, a failure is one line naming
   the rank and the cause (the rank's own traceback, if it had one, is in the log above it), and a stop for a
   requeue adds nothing to the trainer's own line: it reads as the clean stop it is.
+- A node whose launcher loses the rendezvous store (the first node's launcher ended first, after its ranks stopped
+  or failed) says so in one line and exits 6 (COLLECTIVE), recording nothing: not torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     args = torchrun.parse_args(argv)
     job_dir = _job_dir(args)
@@ -115,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrun on {host}: got {signal.Signals(e.sigval).name}; the training processes have stopped",
               file=sys.stderr)
         return 128 + int(e.sigval)
+    except RendezvousConnectionError as e:
+        # The launcher of the node that hosts the rendezvous store (the first) ended while this node's ranks ran:
+        # its ranks stopped (a requeue) or failed, and it said so. torchrun stopped the ranks here; nothing is
+        # recorded, so that the first node's record (or the requeue) decides what the job does.
+        print(f"torchrun on {host}: lost the rendezvous store ({e.__cause__ or e}): the first node's launcher has "
+              f"ended; the training processes here have stopped", file=sys.stderr)
+        return exit_codes.COLLECTIVE
     return 0
 
 
