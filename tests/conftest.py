@@ -55,3 +55,12 @@ def pytest_runtest_logreport(report):
     if report.failed:
         with open(path + ".failures", "a") as f:
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than the usable CPUs. The suite's tests wait for a good part of their time (for a
+    SLURM job to start, a kill to land, a peer to time out): a cold run with one worker per CPU kept the 2 CPUs of
+    the machine 79% busy."""
+    from maester.cpus import usable_cpus
+
+    return usable_cpus() + 1
