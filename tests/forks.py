@@ -71,9 +71,10 @@ def _outputs(folder: Path, name: str) -> tuple[Path, Path]:
     return folder / f"{name}.out", folder / f"{name}.err"
 
 
-def _wait(zygote: Zygote, pids: list[int], timeout: float, command: list[str], logs) -> list[int]:
+def _wait(zygote: Zygote, pids: list[int], timeout: float, command: list[str], logs) -> list[int | None]:
     """Statuses of `pids` once all ended, or one failed (the others are then killed, as torchrun does: they may
-    wait for it in a collective); on `timeout`, all are killed and subprocess.TimeoutExpired raised."""
+    wait for it in a collective; their status is None); on `timeout`, all are killed and subprocess.TimeoutExpired
+    raised."""
     deadline = time.monotonic() + timeout
     while True:
         statuses = [zygote.status(p) for p in pids]
@@ -82,7 +83,9 @@ def _wait(zygote: Zygote, pids: list[int], timeout: float, command: list[str], l
         if any(s not in (0, None) for s in statuses):
             for pid in pids:
                 zygote.kill(pid)
-            return [s if s is not None else zygote.wait(p, 60) for s, p in zip(statuses, pids)]
+            for pid in pids:
+                zygote.wait(pid, 60)
+            return statuses
         if time.monotonic() > deadline:
             for pid in pids:
                 zygote.kill(pid)
@@ -147,8 +150,9 @@ def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str], timeou
                                        stderr + _failures(statuses, pids))
 
 
-def _failures(statuses: list[int], pids: list[int]) -> str:
-    """The lines of torchrun's summary (ChildFailedError) for the ranks that failed."""
+def _failures(statuses: list[int | None], pids: list[int]) -> str:
+    """The lines of torchrun's summary (ChildFailedError) for the ranks that failed on their own (not those ended
+    because another failed)."""
     import signal
 
     lines = []

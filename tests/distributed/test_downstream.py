@@ -24,16 +24,18 @@ def metrics_lines(job) -> list[dict]:
 
 
 @contextmanager
-def removed_once_started(job, path, runs_before: int):
-    """Removes `path` once a run has started (its `hosts` event, written after the tasks were built), so that the
-    broken task fails when it is evaluated."""
+def removed_while_standing_still(job, path, step: int, release):
+    """Removes `path` while the run stands still after `step` (the `hang` fault until `release` exists), so that the
+    broken task, built by every rank before step 1 with its data, fails when it is evaluated. Rank 0 stands still
+    after it took the step, and so every rank has built its tasks (the step's collectives need them all)."""
     done = threading.Event()
 
     def watch():
+        log = job / "logs" / "train.log"
         while not done.is_set():
-            events = job / "events.jsonl"
-            if events.is_file() and events.read_text().count('"event": "hosts"') > runs_before:
+            if log.is_file() and f"standing still at step {step} " in log.read_text():
                 path.unlink()
+                release.touch()
                 return
             time.sleep(0.05)
 
@@ -44,7 +46,7 @@ def removed_once_started(job, path, runs_before: int):
     finally:
         done.set()
         watcher.join()
-    assert not path.exists(), "the run ended before it started"
+    assert not path.exists(), f"the run ended before it stood still at step {step}"
 
 
 def test_fsdp_evaluates_in_the_loop_and_resumes_bitwise(tmp_path):
@@ -57,21 +59,24 @@ def test_fsdp_evaluates_in_the_loop_and_resumes_bitwise(tmp_path):
         "training.device": "cpu", "schedule.warmup_steps": 1, "checkpoint.interval": 3, "logging.interval": 1,
         "logging.tensorboard.enabled": "true", "parallel.dp_shard": 2, "evaluation.tasks": tasks,
         "evaluation.interval": 3, "evaluation.limit": 5, "evaluation.batch_size": 2}.items()]
-    env = clean_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
-                    XDG_CACHE_HOME=str(tmp_path / "cache"), _MAESTER_FAULT="after_step:5",
-                    _MAESTER_FAULT_ONCE=str(tmp_path / "killed-once"))
+    def env(fault: str, release: str) -> dict[str, str]:
+        return clean_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+                         XDG_CACHE_HOME=str(tmp_path / "cache"), _MAESTER_FAULT=fault,
+                         _MAESTER_HANG_UNTIL=str(tmp_path / release))
+
     job = tmp_path / "jobs" / "demo-eval"
     # Steps 1-5, evaluated and saved at step 3, then every rank is killed with SIGKILL after step 5.
     data = (tmp_path / "missing.jsonl").read_text()
-    with removed_once_started(job, tmp_path / "missing.jsonl", runs_before=0):
-        killed = torchrun(2, ["train", str(DEMO_CONFIG), *overrides], tmp_path, env=env, timeout=600)
+    with removed_while_standing_still(job, tmp_path / "missing.jsonl", 1, tmp_path / "go-1"):
+        killed = torchrun(2, ["train", str(DEMO_CONFIG), *overrides], tmp_path, env=env("hang:1,after_step:5", "go-1"),
+                          timeout=600)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
     before = {r["step"]: r["loss"] for r in metrics_lines(job) if "loss" in r}
     assert sorted(before) == [1, 2, 3, 4, 5]
 
     (tmp_path / "missing.jsonl").write_text(data)  # the tasks are built at the start, with their data
-    with removed_once_started(job, tmp_path / "missing.jsonl", runs_before=1):
-        resumed = torchrun(2, ["train", str(job)], tmp_path, env=env, timeout=600)  # from step 3, evaluated at 6
+    with removed_while_standing_still(job, tmp_path / "missing.jsonl", 4, tmp_path / "go-4"):
+        resumed = torchrun(2, ["train", str(job)], tmp_path, env=env("hang:4", "go-4"), timeout=600)  # evaluated at 6
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = metrics_lines(job)
     losses = {r["step"]: r["loss"] for r in lines if "loss" in r}
