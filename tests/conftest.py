@@ -57,6 +57,7 @@ def pytest_runtest_logreport(report):
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which the GPU check's bare Python lacks
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker more than the usable CPUs. The suite's tests wait for a good part of their time (for a
     SLURM job to start, a kill to land, a peer to time out): a cold run with one worker per CPU kept the 2 CPUs of
