@@ -65,3 +65,9 @@ def pytest_xdist_auto_num_workers(config):
     from maester.cpus import usable_cpus
 
     return usable_cpus() + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests.combinations.summary import matrix_summary
+
+    matrix_summary(terminalreporter)
