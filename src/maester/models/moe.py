@@ -94,8 +94,11 @@ class GroupedExperts(nn.Module):
         up = torch._grouped_mm(x, w[1], offs=offs)
         return torch._grouped_mm(self._act(gate) * up, w[2], offs=offs)
 
+    @torch.compiler.disable
     def _loop(self, x: torch.Tensor, counts: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
-        """Expert by expert, with the group sizes on the host."""
+        """Expert by expert, with the group sizes on the host. Eager under compile: each new set of sizes (a group
+        of 0 or 1 rows, then any other) recompiled the block until dynamo's cache limit, for a fusion of one
+        activation."""
         gate_proj, up_proj, down_proj = weights
         outs = []
         for e, chunk in enumerate(x.split(counts)):
