@@ -70,6 +70,7 @@ def test_compile_keeps_the_losses_of_a_mixture_of_experts(corpus, tmp_path):
     import torch._dynamo
 
     _, plain = run_losses(corpus, tmp_path, "olmoe-plain", model__name="olmoe")
+    torch._dynamo.reset()  # the blocks other tests of this process compiled share the block's code
     with torch._dynamo.config.patch(error_on_recompile=True):
         trainer, compiled = run_losses(corpus, tmp_path, "olmoe-compiled", model__name="olmoe",
                                        parallel__compile="true")
