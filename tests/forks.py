@@ -1,11 +1,12 @@
 """`python -m maester` and `torchrun --standalone -m maester` for the suite, as forks of a zygote (`zygote.py`).
 
 A maester process spends seconds importing torch and maester before it does anything; the suite starts hundreds.
-Each pytest worker keeps one zygote that imported them once, and `run` and `torchrun` fork a fresh process from it
-for each command: its own environment (the whole of it), working directory, sys.argv and sys.path[0] as `python -m`
-sets them, its stdout and stderr apart, and the interpreter's exit (threads joined, atexit hooks run). Where a
-command's environment differs from the zygote's in a variable read while torch loads (`IMPORT_TIME`), the command
-runs as a real process instead; `_MAESTER_TESTS_NO_FORK=1` runs them all as real processes.
+Each pytest worker keeps one zygote that imported them once, and `run` and `torchrun` (or `start`, which does not
+wait: a `Forked`, with Popen's methods) fork a fresh process from it for each command: its own environment (the
+whole of it), working directory, sys.argv and sys.path[0] as `python -m` sets them, its stdout and stderr apart,
+and the interpreter's exit (threads joined, atexit hooks run). Where a command's environment differs from the
+zygote's in a variable read while torch loads (`IMPORT_TIME`), the command runs as a real process instead;
+`_MAESTER_TESTS_NO_FORK=1` runs them all as real processes.
 
 `torchrun` gives each rank the variables torchrun sets for it and, as torchrun does, ends the others when one fails
 and exits 1 then; what it does not have is torchrun's agent (restarts, its store, its error summary): tests of
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,83 +73,165 @@ def _outputs(folder: Path, name: str) -> tuple[Path, Path]:
     return folder / f"{name}.out", folder / f"{name}.err"
 
 
-def _wait(zygote: Zygote, pids: list[int], timeout: float, command: list[str], logs) -> list[int | None]:
-    """Statuses of `pids` once all ended, or one failed (the others are then killed, as torchrun does: they may
-    wait for it in a collective; their status is None); on `timeout`, all are killed and subprocess.TimeoutExpired
-    raised."""
-    deadline = time.monotonic() + timeout
-    while True:
-        statuses = [zygote.status(p) for p in pids]
-        if all(s is not None for s in statuses):
-            return statuses
-        if any(s not in (0, None) for s in statuses):
-            for pid in pids:
-                zygote.kill(pid)
-            for pid in pids:
-                zygote.wait(pid, 60)
-            return statuses
-        if time.monotonic() > deadline:
-            for pid in pids:
-                zygote.kill(pid)
-            out, err = _read(logs)
-            raise subprocess.TimeoutExpired(command, timeout, out, err)
-        time.sleep(0.02)
+class Forked:
+    """A command under way as forks (one, or torchrun's ranks), with the part of `subprocess.Popen` the tests use:
+    `pid` (the first process; each is the leader of its own process group), `poll`, `wait`, `communicate`,
+    `send_signal`, `kill`, `returncode` (for ranks, torchrun's: 0, or 1 once one failed and the others were ended,
+    as torchrun ends them: they may wait for it in a collective). Its outputs are files, read at the end."""
+
+    def __init__(self, zygote: Zygote, command: list[str], folder: Path, pids: list[int],
+                 logs: list[tuple[Path, Path]]):
+        self.zygote, self.args, self._folder, self.pids, self._logs = zygote, command, folder, pids, logs
+        self.pid = pids[0]
+        self.returncode: int | None = None
+        self.statuses: list[int | None] = []
+
+    def poll(self) -> int | None:
+        statuses = [self.zygote.status(p) for p in self.pids]
+        if len(self.pids) > 1 and any(s not in (0, None) for s in statuses) and None in statuses:
+            for pid in self.pids:
+                self.zygote.kill(pid)
+            statuses = [self.zygote.wait(p, 60) for p in self.pids]
+        if any(s is None for s in statuses):
+            return None
+        self.statuses = statuses
+        self.returncode = statuses[0] if len(self.pids) == 1 else 0 if all(s == 0 for s in statuses) else 1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """`sig` to each process's group (it and the processes it started)."""
+        for pid in self.pids:
+            if self.zygote.status(pid) is None:
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def kill(self) -> None:
+        """SIGKILL to each process's group; returns once they ended."""
+        for pid in self.pids:
+            self.zygote.kill(pid)
+        for pid in self.pids:
+            self.zygote.wait(pid, 60)
+
+    def output(self) -> tuple[str, str]:
+        """stdout and stderr so far (the ranks' in rank order; once ended, torchrun's summary of failed ranks)."""
+        text = [[p.read_text(errors="replace") if p.exists() else "" for p in pair] for pair in self._logs]
+        out, err = "".join(t[0] for t in text), "".join(t[1] for t in text)
+        if len(self.pids) > 1 and self.returncode is not None:
+            err += _failures(self.statuses, self.pids)
+        return out, err
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the end (on `timeout`, every process is killed and subprocess.TimeoutExpired raised, with the
+        outputs so far), then the outputs; the folder holding them is removed."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired as e:
+            self.kill()
+            e.output, e.stderr = self.output()
+            raise
+        try:
+            return self.output()
+        finally:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def _read(logs: list[tuple[Path, Path]]) -> tuple[str, str]:
-    text = [[p.read_text(errors="replace") if p.exists() else "" for p in pair] for pair in logs]
-    return "".join(t[0] for t in text), "".join(t[1] for t in text)
+def start(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 0,
+          script: Path | None = None) -> Forked | None:
+    """`python -m maester ARGS` (`nproc` 0), or `torchrun --standalone --nproc_per_node=N -m maester ARGS` (or
+    `SCRIPT ARGS`), started as forks with torchrun's variables for each rank; None where it must be real."""
+    zygote = zygote_for(env)
+    if zygote is None:
+        return None
+    target = ["-m", "maester"] if script is None else [str(script)]
+    if nproc == 0:
+        command = [sys.executable, *target, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *target, *args]
+    if script is None:
+        call, call_args = "maester.cli:main", [args]
+        where = dict(argv=[str(REPO / "src" / "maester" / "__main__.py"), *args], main="maester.__main__")
+        env = _as_the_cli_sets_it(env)
+    else:
+        call, call_args = "runpy:run_path", [str(script), None, "__main__"]
+        where = dict(argv=[str(script), *args], path0=str(Path(script).parent))
+    folder = Path(tempfile.mkdtemp(prefix="maester-fork-"))
+    port = str(free_port())
+    logs, pids = [], []
+    for rank in range(max(nproc, 1)):
+        logs.append(_outputs(folder, f"rank{rank}"))
+        rank_env = env if nproc == 0 else {
+            **env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
+        if nproc:
+            rank_env.setdefault("OMP_NUM_THREADS", "1")
+        pids.append(zygote.start(call, call_args, logs[rank][0], env=rank_env, cwd=Path(cwd),
+                                 err=str(logs[rank][1]), replace_env=True, **where))
+    return Forked(zygote, command, folder, pids, logs)
+
+
+class Real(Forked):
+    """A real `python -m maester ARGS` in a process group of its own, with `Forked`'s methods."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]):
+        folder = Path(tempfile.mkdtemp(prefix="maester-real-"))
+        self._logs = [_outputs(folder, "maester")]
+        self._folder = folder
+        self.args = [sys.executable, "-m", "maester", *args]
+        with open(self._logs[0][0], "w") as out, open(self._logs[0][1], "w") as err:
+            self._proc = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=out, stderr=err,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid, self.pids, self.returncode, self.statuses = self._proc.pid, [self._proc.pid], None, []
+
+    def poll(self) -> int | None:
+        self.returncode = self._proc.poll()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+        self._proc.wait()
+
+
+def start_or_real(args: list[str], cwd: Path, env: dict[str, str]) -> Forked:
+    """`python -m maester ARGS` started, in a process group of its own: a fork, or where it must be, a real
+    process (`Real`), with the same methods."""
+    return start(args, cwd, env) or Real(args, cwd, env)
 
 
 def run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
     """`python -m maester ARGS` as a fork; None where it must be a real process."""
-    zygote = zygote_for(env)
-    if zygote is None:
+    forked = start(args, cwd, env)
+    if forked is None:
         return None
-    command = [sys.executable, "-m", "maester", *args]
-    with tempfile.TemporaryDirectory(prefix="maester-fork-") as folder:
-        out, err = _outputs(Path(folder), "maester")
-        pid = zygote.start("maester.cli:main", [args], out, env=_as_the_cli_sets_it(env), cwd=Path(cwd), err=str(err),
-                           replace_env=True, argv=[str(REPO / "src" / "maester" / "__main__.py"), *args],
-                           main="maester.__main__")
-        (status,) = _wait(zygote, [pid], timeout, command, [(out, err)])
-        stdout, stderr = _read([(out, err)])
-    return subprocess.CompletedProcess(command, status, stdout, stderr)
+    stdout, stderr = forked.communicate(timeout)
+    return subprocess.CompletedProcess(forked.args, forked.returncode, stdout, stderr)
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str], timeout: float,
              script: Path | None = None) -> subprocess.CompletedProcess | None:
     """`torchrun --standalone --nproc_per_node=N -m maester ARGS` (or `SCRIPT ARGS`) as N forks with torchrun's
     variables, their outputs in rank order; None where it must be a real torchrun."""
-    zygote = zygote_for(env)
-    if zygote is None:
+    forked = start(args, cwd, env, nproc, script)
+    if forked is None:
         return None
-    target = ["-m", "maester"] if script is None else [str(script)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target,
-               *args]
-    if script is None:
-        call, call_args = "maester.cli:main", [args]
-        where = dict(argv=[str(REPO / "src" / "maester" / "__main__.py"), *args], main="maester.__main__")
-    else:
-        call, call_args = "runpy:run_path", [str(script), None, "__main__"]
-        where = dict(argv=[str(script), *args], path0=str(Path(script).parent))
-    port = str(free_port())
-    with tempfile.TemporaryDirectory(prefix="maester-fork-") as folder:
-        logs = [_outputs(Path(folder), f"rank{r}") for r in range(nproc)]
-        pids = []
-        for rank in range(nproc):
-            rank_env = {**(env if script else _as_the_cli_sets_it(env)), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                        "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
-                        "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                        "TORCHELASTIC_RUN_ID": "none"}
-            rank_env.setdefault("OMP_NUM_THREADS", "1")
-            pids.append(zygote.start(call, call_args, logs[rank][0], env=rank_env, cwd=Path(cwd),
-                                     err=str(logs[rank][1]), replace_env=True, **where))
-        statuses = _wait(zygote, pids, timeout, command, logs)
-        stdout, stderr = _read(logs)
-    return subprocess.CompletedProcess(command, 0 if all(s == 0 for s in statuses) else 1, stdout,
-                                       stderr + _failures(statuses, pids))
+    stdout, stderr = forked.communicate(timeout)
+    return subprocess.CompletedProcess(forked.args, forked.returncode, stdout, stderr)
 
 
 def _failures(statuses: list[int | None], pids: list[int]) -> str:

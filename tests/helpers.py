@@ -60,6 +60,14 @@ def run_maester(args: list[str], cwd: Path, env: dict[str, str] | None = None,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+def start_maester(args: list[str], cwd: Path, env: dict[str, str] | None = None):
+    """`python -m maester ARGS` started, not waited for, in a process group of its own (`tests.forks.Forked`:
+    poll, wait, communicate, send_signal to the group, kill, output so far)."""
+    from tests import forks
+
+    return forks.start_or_real(args, cwd, env or clean_env())
+
+
 def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
              timeout: float = 300, agent: bool = False, script: Path | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=N -m maester ARGS` (or `SCRIPT ARGS`) on this machine (gloo on

@@ -9,15 +9,13 @@ resumes on one process.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
 from maester.config import load_config
 from maester.train.metrics import read_metrics
 from maester.train.trainer import Trainer
-from tests.helpers import REPO, clean_env, job_from_checkpoints, torchrun, train_seeded_reference
+from tests.helpers import REPO, job_from_checkpoints, torchrun, train_seeded_reference
 
 STEPS = 5
 BASE = dict(model__name="olmoe", training__steps=STEPS, training__global_batch_size=8,
@@ -101,8 +99,7 @@ def test_expert_parallel_layer_equals_one_process(tmp_path):
     ranks' tokens: outputs and gradients, with routing spread over the experts and with every token sent to one ep
     rank (the other receives none). The script runs ep 2 alone on 2 processes; the ep2 layouts cover that here."""
     passed = tmp_path / "passed"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                          str(REPO / "tests" / "distributed" / "expert_parallel_layer.py"), str(passed)],
-                         env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
+    out = torchrun(4, [str(passed)], tmp_path, timeout=180,
+                   script=REPO / "tests" / "distributed" / "expert_parallel_layer.py")
     assert out.returncode == 0, out.stderr[-3000:]
     assert passed.read_text() == "passed"

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, torchrun
 
 
 def run(tmp_path) -> dict[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(REPO / "tests" / "distributed" / "rank_zero_latest.py"), str(tmp_path)],
-                          env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    proc = torchrun(2, [str(tmp_path)], tmp_path, timeout=120,
+                    script=REPO / "tests" / "distributed" / "rank_zero_latest.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {rank: json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)}
 

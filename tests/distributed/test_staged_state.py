@@ -7,22 +7,18 @@ memory of background saves) is what the stager takes, before the first step too 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO, clean_env, write_corpus
+from tests.helpers import REPO, torchrun, write_corpus
 
 pytest.importorskip("torchao", reason="the float8 extra (torchao) is part of the dev group")
 
 
 def test_staged_state_equals_the_live_state_in_every_layout(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.parquet")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "tests/distributed/staged_state.py"), str(tmp_path), str(corpus)], cwd=tmp_path,
-                         env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600,
-                         stdin=subprocess.DEVNULL)
+    out = torchrun(2, [str(tmp_path), str(corpus)], tmp_path, timeout=600,
+                   script=REPO / "tests/distributed/staged_state.py")
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank-{rank}.json").read_text())

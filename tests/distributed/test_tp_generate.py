@@ -5,15 +5,13 @@ batch."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from maester.tools.generate import load_for_inference
 from maester.models.sampling import sample
-from tests.helpers import REPO, clean_env, run_maester, seed_job, torchrun
+from tests.helpers import REPO, run_maester, seed_job, torchrun
 
 TEXTS = ["the model reads", "a token", "the optimizer updates every weight of the network", "so"]
 
@@ -31,9 +29,8 @@ def test_two_processes_generate_what_one_does(corpus, tmp_path):
         expected[str(job)] = ([sample(model, p, 8) for p in prompts],
                               sample(model, prompts[0], 8, temperature=1.0, seed=5))
         assert len({tuple(out) for out in expected[str(job)][0]}) > 1  # the prompts lead to different tokens
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "tests" / "distributed" / "tp_generate.py"), str(tmp_path), *map(str, jobs)],
-                         env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
+    out = torchrun(2, [str(tmp_path), *map(str, jobs)], tmp_path, timeout=180,
+                   script=REPO / "tests" / "distributed" / "tp_generate.py")
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"result-{rank}.json").read_text())

@@ -8,14 +8,12 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from maester.jobs.job_dir import LOCK_FILE
-from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, write_corpus
+from tests.helpers import DEMO_CONFIG, clean_env, run_maester, start_maester, tiny_overrides, write_corpus
 
 
 @pytest.fixture
@@ -54,23 +52,20 @@ def test_second_run_is_refused_with_the_holder(job, tmp_path):
 
 def test_requeued_job_waits_for_its_predecessor(job, tmp_path):
     fd = hold_lock(job, 31337)
-    log = tmp_path / "requeued.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "maester", "train", str(job), "--training.steps=4",
-                                 "--training.requeue_lock_wait_seconds=120"], cwd=tmp_path,
-                                env=clean_env(SLURM_RESTART_COUNT="1"), stdout=out, stderr=out)
-        try:
-            deadline = time.monotonic() + 120
-            while "waiting up to 120 s for the previous run" not in log.read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-                time.sleep(0.1)
-            time.sleep(2)
-            assert proc.poll() is None  # still waiting
-        finally:
-            os.close(fd)  # the predecessor ends
-        proc.wait(timeout=240)
-    assert proc.returncode == 0, log.read_text()[-2000:]
-    assert "resumed from" in log.read_text()
+    proc = start_maester(["train", str(job), "--training.steps=4", "--training.requeue_lock_wait_seconds=120"],
+                         tmp_path, clean_env(SLURM_RESTART_COUNT="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting up to 120 s for the previous run" not in "".join(proc.output()):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(proc.output())[-2000:]
+            time.sleep(0.1)
+        time.sleep(2)
+        assert proc.poll() is None  # still waiting
+    finally:
+        os.close(fd)  # the predecessor ends
+    log = "".join(proc.communicate(timeout=240))
+    assert proc.returncode == 0, log[-2000:]
+    assert "resumed from" in log
 
 
 def test_requeued_job_gives_up_after_its_wait(job, tmp_path):
@@ -84,9 +79,7 @@ def test_requeued_job_gives_up_after_its_wait(job, tmp_path):
 
 
 def test_two_real_runs_and_a_killed_holder(job, tmp_path):
-    holder = subprocess.Popen([sys.executable, "-m", "maester", "train", str(job), "--training.steps=100000"],
-                              cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
+    holder = start_maester(["train", str(job), "--training.steps=100000"], tmp_path)
     try:
         deadline = time.monotonic() + 120
         while str(holder.pid) not in (job / LOCK_FILE).read_text():

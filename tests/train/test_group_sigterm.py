@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +15,7 @@ from benchmarks.chaos import children_of
 from maester.train.metrics_file import read_metrics
 from maester.train.preemption import REQUEUE_EXIT_CODE, REQUEUE_FILE
 from tests.data.test_sft import write_conversations
-from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, write_corpus
+from tests.helpers import DEMO_CONFIG, run_maester, start_maester, tiny_overrides, write_corpus
 
 STEPS = 30
 
@@ -47,22 +45,19 @@ def test_sigterm_to_the_process_group_stops_cleanly_and_resumes(tmp_path, mode):
     straight = run_maester(["train", str(DEMO_CONFIG), *overrides(tmp_path, mode, "straight")], cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr[-2000:]
     job = tmp_path / "jobs" / "stopped"
-    proc = subprocess.Popen([sys.executable, "-m", "maester", "train", str(DEMO_CONFIG),
-                             *overrides(tmp_path, mode, "stopped")], cwd=tmp_path, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_maester(["train", str(DEMO_CONFIG), *overrides(tmp_path, mode, "stopped")], tmp_path)
     try:
         deadline = time.monotonic() + 240
         while not ((job / "metrics.jsonl").is_file() and max(losses(job), default=0) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, proc.output()[1][-3000:]
             time.sleep(0.01)
         if mode == "pretrain":
             assert len(children_of(proc.pid)) >= 2  # the loader's workers are in the group too
         os.killpg(proc.pid, signal.SIGTERM)  # kill -TERM -- -PGID
         _, err = proc.communicate(timeout=240)
     finally:
-        if proc.returncode is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == REQUEUE_EXIT_CODE, err[-3000:]
     assert "Traceback" not in err
     request = json.loads((job / REQUEUE_FILE).read_text())
