@@ -159,9 +159,9 @@ def test_fsdp_on_two_nodes_stops_at_the_time_limit_and_survives_a_killed_rank(sc
     go_on.touch()
     assert wait_until(lambda: (job / "requeue-requested").exists() or job_restarts(job_id) > 0, TIMEOUT)
     go_on.unlink()  # the second run stands still at step 6
-    for rank in (0, 1):
-        assert "stopped on request (stop-requested) after step 4 of 8" in \
-            (job / "logs" / f"rank-{rank}.log").read_text()
+    for log in (job / "logs" / f"rank-{rank}.log" for rank in (0, 1)):  # logged once requeue-requested is written
+        assert wait_until(lambda: "stopped on request (stop-requested) after step 4 of 8" in log.read_text(), 60), \
+            log.read_text()[-2000:]
     wait_for_line(job, job_id, "standing still at step 6 ")
     (rank_1,) = rank_pids(slurm_nodes, "node2")
     subprocess.run(["kill", "-KILL", str(rank_1)], check=True)
