@@ -84,7 +84,7 @@ class GroupedExperts(nn.Module):
         grouped = self.dispatch == "grouped" or (self.dispatch == "auto" and grouped_mm_supported(x, weights[2]))
         if grouped:
             return self._grouped(x.to(dtype), counts, weights)
-        return self._loop(x, group_sizes([counts], [x.shape[0]])[0] if host_counts is None else host_counts, weights)
+        return self._loop(x, counts if host_counts is None else host_counts, weights)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         """One grouped GEMM per projection, in x's dtype (autocast does not cover `_grouped_mm`)."""
@@ -95,10 +95,12 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(self._act(gate) * up, w[2], offs=offs)
 
     @torch.compiler.disable
-    def _loop(self, x: torch.Tensor, counts: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
-        """Expert by expert, with the group sizes on the host. Eager under compile: each new set of sizes (a group
-        of 0 or 1 rows, then any other) recompiled the block until dynamo's cache limit, for a fusion of one
-        activation."""
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor | list[int], weights: list[torch.Tensor]) -> torch.Tensor:
+        """Expert by expert, with the group sizes on the host (`counts` read here if a tensor). Eager under compile,
+        the host read too: each new set of sizes (a group of 0 or 1 rows, then any other) recompiled the block
+        until dynamo's cache limit, for a fusion of one activation."""
+        if isinstance(counts, torch.Tensor):
+            counts = group_sizes([counts], [x.shape[0]])[0]
         gate_proj, up_proj, down_proj = weights
         outs = []
         for e, chunk in enumerate(x.split(counts)):
