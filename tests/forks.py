@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -204,7 +205,7 @@ class Real(Forked):
             os.killpg(self.pid, sig)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
         self._proc.wait()
 
 
@@ -214,31 +215,28 @@ def start_or_real(args: list[str], cwd: Path, env: dict[str, str]) -> Forked:
     return start(args, cwd, env) or Real(args, cwd, env)
 
 
-def run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
-    """`python -m maester ARGS` as a fork; None where it must be a real process."""
-    forked = start(args, cwd, env)
+def _completed(forked: Forked | None, timeout: float) -> subprocess.CompletedProcess | None:
     if forked is None:
         return None
     stdout, stderr = forked.communicate(timeout)
     return subprocess.CompletedProcess(forked.args, forked.returncode, stdout, stderr)
+
+
+def run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """`python -m maester ARGS` as a fork; None where it must be a real process."""
+    return _completed(start(args, cwd, env), timeout)
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str], timeout: float,
              script: Path | None = None) -> subprocess.CompletedProcess | None:
     """`torchrun --standalone --nproc_per_node=N -m maester ARGS` (or `SCRIPT ARGS`) as N forks with torchrun's
     variables, their outputs in rank order; None where it must be a real torchrun."""
-    forked = start(args, cwd, env, nproc, script)
-    if forked is None:
-        return None
-    stdout, stderr = forked.communicate(timeout)
-    return subprocess.CompletedProcess(forked.args, forked.returncode, stdout, stderr)
+    return _completed(start(args, cwd, env, nproc, script), timeout)
 
 
 def _failures(statuses: list[int | None], pids: list[int]) -> str:
     """The lines of torchrun's summary (ChildFailedError) for the ranks that failed on their own (not those ended
     because another failed)."""
-    import signal
-
     lines = []
     for rank, (status, pid) in enumerate(zip(statuses, pids)):
         if status:
