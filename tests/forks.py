@@ -32,6 +32,9 @@ PRELOAD = ["maester.cli", "maester.train.trainer"]
 IMPORT_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "PYTHON", "LD_", "TORCH", "PYTORCH", "CUDA", "MALLOC_", "GLIBC",
                "NUMEXPR_", "OPENBLAS_")
 SET_IN_THE_CHILD = {"OMP_NUM_THREADS"}  # the zygote's child sets torch's threads from it
+# read when used, not while torch loads; Inductor writes it into its process's environment at its first compile
+# (in a pytest worker, an in-process test's), which would otherwise make every later command a real process
+READ_WHEN_USED = {"TORCHINDUCTOR_CACHE_DIR"}
 
 _zygote: Zygote | None = None
 _zygote_env: dict[str, str] = {}
@@ -47,7 +50,7 @@ def _as_the_cli_sets_it(env: dict[str, str]) -> dict[str, str]:
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in _as_the_cli_sets_it(env).items() if k.startswith(IMPORT_TIME) and
-            k not in SET_IN_THE_CHILD}
+            k not in SET_IN_THE_CHILD | READ_WHEN_USED}
 
 
 def zygote_for(env: dict[str, str]) -> Zygote | None:
