@@ -6,6 +6,8 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 
+import tests.forks  # noqa: E402, F401  (first: it keeps the worker's environment as it starts)
+
 from tests.helpers import write_corpus  # noqa: E402
 
 # Every metrics.jsonl row and events.jsonl line the suite writes is checked against the documented schema

@@ -32,12 +32,15 @@ PRELOAD = ["maester.cli", "maester.train.trainer"]
 IMPORT_TIME = ("OMP_", "KMP_", "GOMP_", "MKL_", "PYTHON", "LD_", "TORCH", "PYTORCH", "CUDA", "MALLOC_", "GLIBC",
                "NUMEXPR_", "OPENBLAS_")
 SET_IN_THE_CHILD = {"OMP_NUM_THREADS"}  # the zygote's child sets torch's threads from it
-# read when used, not while torch loads; Inductor writes it into its process's environment at its first compile
-# (in a pytest worker, an in-process test's), which would otherwise make every later command a real process
-READ_WHEN_USED = {"TORCHINDUCTOR_CACHE_DIR"}
+READ_WHEN_USED = {"TORCHINDUCTOR_CACHE_DIR"}  # read when used, not while torch loads
+# The worker's environment as it started (tests/conftest.py imports this module first). Libraries the tests import
+# in the worker set variables in it (threadpoolctl KMP_DUPLICATE_LIB_OK, Inductor TORCHINDUCTOR_CACHE_DIR); they
+# would set them in the command too, so such drift does not make a command's environment differ from the zygote's.
+# Without this, every command of a worker after the first such import was a real interpreter: a hundred a run.
+_STARTING = dict(os.environ)
 
 _zygote: Zygote | None = None
-_zygote_env: dict[str, str] = {}
+_zygote_start: dict[str, str] = {}
 
 
 def _as_the_cli_sets_it(env: dict[str, str]) -> dict[str, str]:
@@ -49,18 +52,19 @@ def _as_the_cli_sets_it(env: dict[str, str]) -> dict[str, str]:
 
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
+    """The variables of `env` torch reads as it loads, but those the worker's own imports set (`_STARTING`)."""
     return {k: v for k, v in _as_the_cli_sets_it(env).items() if k.startswith(IMPORT_TIME) and
-            k not in SET_IN_THE_CHILD | READ_WHEN_USED}
+            k not in SET_IN_THE_CHILD | READ_WHEN_USED and not (v == os.environ.get(k) != _STARTING.get(k))}
 
 
 def zygote_for(env: dict[str, str]) -> Zygote | None:
     """This worker's zygote, started on first use; None where `env` needs a real process."""
-    global _zygote, _zygote_env
+    global _zygote, _zygote_start
     if os.environ.get(NO_FORK) == "1" or env.get(NO_FORK) == "1":
         return None
     wanted = _import_time(env)
     if _zygote is not None and _zygote.alive():
-        return _zygote if wanted == _zygote_env else None
+        return _zygote if wanted == _import_time(_zygote_start) else None
     from tests.helpers import clean_env
 
     base = clean_env()
@@ -68,7 +72,7 @@ def zygote_for(env: dict[str, str]) -> Zygote | None:
         return None
     start = dict(base, **wanted)
     log = Path(tempfile.gettempdir()) / f"maester-test-zygote-{os.getpid()}.log"
-    _zygote, _zygote_env = Zygote(PRELOAD, start, log), wanted
+    _zygote, _zygote_start = Zygote(PRELOAD, start, log), start
     atexit.register(_zygote.close)
     return _zygote
 

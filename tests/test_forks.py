@@ -25,3 +25,15 @@ def test_a_variable_torch_reads_as_it_loads_makes_the_command_real():
     assert forks.zygote_for(clean_env(MALLOC_ARENA_MAX="2")) is None
     assert forks.zygote_for(clean_env(PYTHONHASHSEED="7")) is None
     assert forks.zygote_for(clean_env(OMP_NUM_THREADS="1")) is not None  # the child sets torch's threads
+
+
+def test_what_a_library_imported_in_the_worker_sets_keeps_commands_forked(monkeypatch):
+    """threadpoolctl (imported with lm-eval's dependencies) sets KMP_DUPLICATE_LIB_OK in os.environ when a test
+    imports it in the worker: the commands after it, whose environments copy os.environ, still fork; the same
+    variable given to one command alone makes it real."""
+    monkeypatch.delitem(forks._STARTING, "KMP_DUPLICATE_LIB_OK", raising=False)
+    monkeypatch.delenv("KMP_DUPLICATE_LIB_OK", raising=False)
+    assert forks.zygote_for(clean_env()) is not None
+    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")  # what `import threadpoolctl` does
+    assert forks.zygote_for(clean_env()) is not None
+    assert forks.zygote_for(clean_env(KMP_DUPLICATE_LIB_OK="False")) is None
