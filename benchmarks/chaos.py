@@ -94,17 +94,27 @@ def check_directory(job: Path, keep_last: int) -> None:
         raise AssertionError(f"{len(steps)} checkpoints with keep_last = {keep_last}: {sorted(steps)}")
 
 
-def run_undisturbed(root: Path, nproc: int, steps: int, interval: int, keep_last: int) -> dict[int, float]:
+def start_process(nproc: int, args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """`maester train ARGS` (under torchrun with `nproc` 2) in a process group of its own; stderr piped."""
+    return subprocess.Popen([*command(nproc), *args], env=env, cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run_undisturbed(root: Path, nproc: int, steps: int, interval: int, keep_last: int,
+                    start=start_process) -> dict[int, float]:
     args = overrides(root / "jobs", "undisturbed", steps, interval, keep_last)
-    subprocess.run([*command(nproc), str(REPO / "configs" / "demo.toml"), *args], env=environment(), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
+    proc = start(nproc, [str(REPO / "configs" / "demo.toml"), *args], environment(), root)
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        raise AssertionError(f"the undisturbed run ended with {proc.returncode}: {err[-3000:]}")
     return {r["step"]: r["loss"] for r in metrics_lines(root / "jobs" / "undisturbed") if "loss" in r}
 
 
 def run_chaos(root: Path, *, kills: int, seed: int, nproc: int = 1, steps: int = 24, interval: int = 3,
-              keep_last: int = 2, timeout: float = 900, async_mode: str = "off") -> dict:
+              keep_last: int = 2, timeout: float = 900, async_mode: str = "off", start=start_process) -> dict:
     """Kill and resume the run until it finishes; returns the figures and raises AssertionError on a broken
-    promise."""
+    promise. `start` starts each attempt (`start_process`, or one with its methods: pid, poll, returncode,
+    communicate; the pid leads a process group of its own)."""
     rng = random.Random(seed)
     job = root / "jobs" / "chaos"
     first = [str(REPO / "configs" / "demo.toml"),
@@ -121,9 +131,7 @@ def run_chaos(root: Path, *, kills: int, seed: int, nproc: int = 1, steps: int =
             at = (done // interval + 1) * interval
             if at < steps:
                 extra["_MAESTER_FAULT"] = f"{point}:{at}" + (f"@{rng.randrange(nproc)}" if nproc > 1 else "")
-        proc = subprocess.Popen([*command(nproc), *target], env=environment(**extra), cwd=root,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = start(nproc, target, environment(**extra), root)
         last = min(steps - 1, done + interval)  # never after the last step: the run would be over
         stop_after = rng.randint(min(done + 1, last), last) if killed < kills and last >= 1 else None
         killed_by_us = False
@@ -139,7 +147,7 @@ def run_chaos(root: Path, *, kills: int, seed: int, nproc: int = 1, steps: int =
                     killed += 1
                     killed_by_us, stop_after = True, None
             time.sleep(0.01)
-        err = proc.stderr.read()
+        _, err = proc.communicate()
         if proc.returncode == 0:
             break
         if "_MAESTER_FAULT" in extra and not killed_by_us:  # the fault point killed it, inside a save
