@@ -65,12 +65,12 @@ def pytest_runtest_logreport(report):
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which the GPU check's bare Python lacks
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: two workers more than the usable CPUs. The suite's tests wait for a good part of their time (for a
+    """`-n auto`: one worker more than the usable CPUs. The suite's tests wait for a good part of their time (for a
     SLURM job to start, a kill to land, a peer to time out): a cold run with one worker per CPU kept the 2 CPUs of
-    the machine 79% busy, with one more 84%."""
+    the machine 79% busy, with one more 84%; two more spent more CPU and took longer."""
     from maester.cpus import usable_cpus
 
-    return usable_cpus() + 2
+    return usable_cpus() + 1
 
 
 def pytest_terminal_summary(terminalreporter):
