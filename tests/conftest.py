@@ -30,7 +30,8 @@ def _isolated_cache(tmp_path, monkeypatch):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item):
     """With _MAESTER_TEST_TIMES=FILE, also each test's CPU seconds (its worker's and those of the processes it
-    waited for) and wall seconds, setup to teardown, to FILE.cpu: which tests wait and which compute."""
+    waited for), wall seconds (setup to teardown), worker and start time to FILE.cpu: which tests wait and which
+    compute, and which ran beside which."""
     path = os.environ.get("_MAESTER_TEST_TIMES")
     if not path:
         yield
@@ -42,10 +43,11 @@ def pytest_runtest_protocol(item):
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
-    cpu0, wall0 = cpu(), time.monotonic()
+    cpu0, wall0, start = cpu(), time.monotonic(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(path + ".cpu", "a") as f:
-        f.write(f"{cpu() - cpu0:.1f}\t{time.monotonic() - wall0:.1f}\t{item.nodeid}\n")
+        f.write(f"{cpu() - cpu0:.1f}\t{time.monotonic() - wall0:.1f}\t{item.nodeid}\t{worker}\t{start:.0f}\n")
 
 
 def pytest_runtest_logreport(report):
@@ -71,6 +73,16 @@ def pytest_xdist_auto_num_workers(config):
     from maester.cpus import usable_cpus
 
     return usable_cpus() + 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The default distribution (`-n` alone): whole modules, the longest first (tests/scheduling.py)."""
+    if config.getvalue("dist") == "load":
+        from tests.scheduling import LongestFirst
+
+        return LongestFirst(config, log)
+    return None
 
 
 def pytest_terminal_summary(terminalreporter):
