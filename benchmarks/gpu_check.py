@@ -194,12 +194,20 @@ def dry_run_setups(stages: list[Stage], out: Path, env: dict) -> dict[str, dict]
     return results
 
 
+def _interruptible() -> None:
+    """In the stage's process before it starts: SIGINT at its default and unblocked. A process inherits both, and a
+    check started in the background of a script (which ignores SIGINT) or from a process that blocks it would
+    otherwise run each stage on to the SIGKILL, with no report of the tests it ran."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def run_command(command: list[str], env: dict, timeout: float) -> tuple[subprocess.CompletedProcess, bool]:
     """Run `command` in a session of its own; at `timeout`, SIGINT to its process group (pytest then writes the
     report of the tests it ran), and SIGKILL INTERRUPT_GRACE seconds later. Returns the run and whether it timed
     out."""
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_interruptible)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), False

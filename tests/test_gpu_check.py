@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -369,14 +370,25 @@ def test_the_first_allocation_probe_allocates_on_this_gpu():
     assert chosen["PYTORCH_ALLOC_CONF"].startswith("expandable_segments:"), said
 
 
-def test_a_pytest_stage_stopped_at_its_time_limit_reports_the_tests_it_ran(tmp_path):
+@pytest.mark.parametrize("parent", ["ignores SIGINT", "blocks SIGINT"])
+def test_a_pytest_stage_stopped_at_its_time_limit_reports_the_tests_it_ran(tmp_path, parent):
     """At its time limit a stage gets SIGINT first: pytest then writes the report of what ran, so a cuda-tests
-    stage cut short still names its passes and failures."""
+    stage cut short still names its passes and failures; also when the check itself ignores SIGINT (started in the
+    background of a script) or blocks it, which its processes would inherit."""
     gpu_check = benchmark("gpu_check")
     tests = tmp_path / "test_long.py"
     tests.write_text("import time, pytest\n@pytest.mark.cuda\ndef test_quick():\n    pass\n"
                      "@pytest.mark.cuda\ndef test_forever():\n    time.sleep(600)\n")
-    result = gpu_check.run_stage(gpu_check.Stage("cut", "", "pytest", [str(tests)]), tmp_path,
-                                 gpu_check.child_env(None), timeout=20)
+    handler, mask = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        if parent == "ignores SIGINT":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        elif parent == "blocks SIGINT":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        result = gpu_check.run_stage(gpu_check.Stage("cut", "", "pytest", [str(tests)]), tmp_path,
+                                     gpu_check.child_env(None), timeout=20)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     assert result["status"] == "fail" and result["reason"].startswith("timed out after 20 s"), result
     assert result["figures"]["passed"] >= 1 and result["seconds"] < 20 + gpu_check.INTERRUPT_GRACE + 5, result
