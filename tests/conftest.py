@@ -4,6 +4,13 @@ import os
 # per kernel, which is most of what a cold compile costs here. Set before anything imports torch._inductor.config.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
+# Idle OpenMP threads of the workers' own torch (the in-process tests) sleep, as every maester command's do
+# (`maester.cpus`): with more workers than CPUs, libgomp's spinning after each parallel region took a quarter of
+# their CPU (tests/models and tests/parallel/test_precision.py alone: 36 -> 26 CPU s). Set before torch loads.
+from maester.cpus import prefer_passive_waiting  # noqa: E402
+
+prefer_passive_waiting()
+
 import pytest  # noqa: E402
 
 import tests.forks  # noqa: E402, F401  (first: it keeps the worker's environment as it starts)
