@@ -97,3 +97,19 @@ def test_checkpoint_io_smoke(tmp_path):
     per_rank = figures["per_rank"]["2"]
     assert sorted(per_rank) == ["0", "1"] and all(r["hashed_bytes"] >= r["shard_bytes"] for r in per_rank.values())
     assert list(tmp_path.iterdir()) == []  # its temporary directory is gone
+
+
+def test_suite_time_counts_the_command_and_the_machine_and_keeps_its_exit_code(tmp_path):
+    """The harness behind README's suite times: a command that spins one CPU for a second and exits 3 gives about a
+    CPU second of its own, the machine's busy figure counts it too, and the harness exits 3."""
+    out = tmp_path / "figures.json"
+    spin = "import time, sys\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\nsys.exit(3)"
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "suite_time.py"), "--every", "0.2",
+                          "--json", str(out), "--", sys.executable, "-c", spin],
+                         capture_output=True, text=True, timeout=120, env=clean_env())
+    assert run.returncode == 3, run.stderr
+    figures = json.loads(out.read_text())
+    assert figures["exit_code"] == 3 and figures["wall_s"] >= 1.0, figures
+    assert 0.9 <= figures["command_cpu_s"] <= figures["wall_s"] + 1, figures
+    assert figures["machine_busy_cpu_s"] >= 0.9 and figures["stretches"] >= 4, figures
+    assert "suite time:" in run.stdout
