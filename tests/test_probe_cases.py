@@ -868,13 +868,20 @@ def evaluated(step: str, output: str):
 
 
 def read_while_training(s: LiveScratch, out: str, err: str) -> None:
-    """The checkpoint the first run read was the live job's, and the job has saved newer ones since."""
+    """The checkpoint the first run read was the live job's, and the job goes on saving newer ones (within 300 s:
+    on a loaded machine ten reads can end before its next step does)."""
     import re
+    import time
 
     read = int(re.search(r"/checkpoints/step-(\d+) \(step \d+\)", err)[1])
-    steps = [int(p.name.split("-")[1]) for p in (s.training() / "checkpoints").glob("step-*")
-             if p.name.split("-")[1].isdigit()]
-    assert max(steps) > read, (read, steps)
+    deadline = time.monotonic() + 300
+    while True:
+        steps = [int(p.name.split("-")[1]) for p in (s.training() / "checkpoints").glob("step-*")
+                 if p.name.split("-")[1].isdigit()]
+        if max(steps, default=0) > read or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert max(steps, default=0) > read, (read, steps)
 
 
 def stopped_job(s: Scratch) -> Path:
