@@ -27,10 +27,10 @@ def cpu_jiffies() -> tuple[int, int]:
     return user + nice + system + irq + softirq + steal, idle + iowait
 
 
-def busy_shares(samples: list[tuple[float, int, int]]) -> list[float]:
+def busy_shares(samples: list[tuple[int, int]]) -> list[float]:
     """The machine's share busy (0-1 of all CPUs) between consecutive samples."""
     out = []
-    for (_, b0, i0), (_, b1, i1) in zip(samples, samples[1:]):
+    for (b0, i0), (b1, i1) in zip(samples, samples[1:]):
         total = (b1 - b0) + (i1 - i0)
         out.append((b1 - b0) / total if total else 0.0)
     return out
@@ -44,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     tick = os.sysconf("SC_CLK_TCK")
-    samples: list[tuple[float, int, int]] = [(time.monotonic(), *cpu_jiffies())]
+    samples = [cpu_jiffies()]
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(args.every):
-            samples.append((time.monotonic(), *cpu_jiffies()))
+            samples.append(cpu_jiffies())
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - start
     done.set()
     sampler.join()
-    samples.append((time.monotonic(), *cpu_jiffies()))
+    samples.append(cpu_jiffies())
 
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     tree_cpu = children.ru_utime + children.ru_stime
-    busy, idle = samples[-1][1] - samples[0][1], samples[-1][2] - samples[0][2]
+    busy, idle = samples[-1][0] - samples[0][0], samples[-1][1] - samples[0][1]
     cpus = os.cpu_count() or 1
     shares = busy_shares(samples)
     figures = {
