@@ -4,6 +4,7 @@ stderr is a pipe or a file (for `train`, asserted on a piped run in test_nonfini
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import re
 import struct
@@ -92,3 +93,30 @@ def test_progress_lines_off_a_terminal_come_at_the_start_every_so_often_and_at_t
                      "ranks: 4 of 5 ranks in 75 s, about 19 s left", "ranks: 5 of 5 ranks in 80 s"], lines
     assert list(progress_bar("ranks", range(3), total=3, lines_every=30)) == [0, 1, 2]  # stderr is captured here
     assert capsys.readouterr().err.splitlines()[0] == "ranks: 0 of 3 it"
+
+
+class Writes(io.StringIO):
+    """A stderr that keeps its writes apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def write(self, s):
+        self.calls.append(s)
+        return super().write(s)
+
+
+def test_an_error_line_of_the_cli_is_one_write(monkeypatch, tmp_path):
+    # the ranks of a job share one stderr: a line written in two parts (print's text, then its newline) can run
+    # into another rank's line
+    from maester.cli import main
+
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", str(tmp_path / "missing.toml")])
+    assert stop.value.code == 2
+    lines = [w for w in stderr.calls if "maester train: error:" in w]
+    assert len(lines) == 1 and lines[0].endswith("missing.toml does not exist\n"), stderr.calls

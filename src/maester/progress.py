@@ -11,6 +11,13 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+def stderr_line(text: str) -> None:
+    """`text` and its newline on stderr in one write: the ranks of a job share one stderr, and `print` writes the
+    newline apart, so two ranks' lines could run together on one line."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def progress_bar(desc: str, iterable=None, total: int | float | None = None, unit: str = "it",
                  disable: bool | None = None, lines_every: float | None = None, **kwargs):
     """A tqdm bar (over `iterable`, if given); `disable=None` turns it off when stderr is not a terminal, True

@@ -151,7 +151,7 @@ cfg = load_config(None, tiny_overrides(corpus, root / "jobs", f"bcast{rank}", **
 try:
     trainer = Trainer(cfg, cfg.job_dir)
 except Exception as e:
-    print(f"rank {rank} raised {type(e).__name__}: {e}", file=sys.stderr)
+    sys.stderr.write(f"rank {rank} raised {type(e).__name__}: {e}\\n")  # one write: the ranks share stderr
     sys.exit(3)
 full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
         for k, v in trainer.model.state_dict().items()}

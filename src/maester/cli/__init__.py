@@ -64,22 +64,23 @@ def main(argv: list[str] | None = None) -> None:
     args.overrides = extra
     from maester.config.base import ConfigError
     from maester.config.sources import apply_dotenv
+    from maester.progress import stderr_line
 
     try:
         apply_dotenv(Path.cwd())
         COMMANDS[args.command].run(args)
     except (ConfigError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError,
             ValueError) as e:
-        print(f"maester {args.command}: error: {e}", file=sys.stderr)
+        stderr_line(f"maester {args.command}: error: {e}")
         sys.exit(exit_codes.BAD_INPUT)
     except KeyboardInterrupt:
-        print(f"maester {args.command}: interrupted", file=sys.stderr)
+        stderr_line(f"maester {args.command}: interrupted")
         sys.exit(exit_codes.INTERRUPTED)
     except Exception as e:
         code, advice = _training_failure(e)
         if code is None:
             raise
-        print(f"maester {args.command}: error: {e}\n{advice}", file=sys.stderr)
+        stderr_line(f"maester {args.command}: error: {e}\n{advice}")
         sys.exit(code)
 
 

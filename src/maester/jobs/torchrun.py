@@ -27,6 +27,7 @@ from pathlib import Path
 
 from maester import exit_codes
 from maester.files import create_new
+from maester.progress import stderr_line
 
 FAILURE_FILE = "failure"
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     host = socket.gethostname()
     refused = loopback_rendezvous(args)
     if refused:
-        print(f"torchrun on {host}: {refused}", file=sys.stderr)
+        stderr_line(f"torchrun on {host}: {refused}")
         record_failure(job_dir, {"exit_code": exit_codes.BAD_INPUT, "cause": exit_codes.name_of(exit_codes.BAD_INPUT),
                                  "rank": None, "host": host})
         return exit_codes.BAD_INPUT
@@ -110,20 +111,19 @@ def main(argv: list[str] | None = None) -> int:
         if status == exit_codes.REQUEUE:  # the trainer said why it stopped, and the job script says what it does
             return status
         others = len(e.failures) - 1
-        print(f"torchrun on {host}: rank {rank} (pid {failure.pid}) failed with exit code {status} ({cause})"
-              + (f"; {others} other local rank(s) ended after it" if others else ""), file=sys.stderr)
+        stderr_line(f"torchrun on {host}: rank {rank} (pid {failure.pid}) failed with exit code {status} ({cause})"
+                    + (f"; {others} other local rank(s) ended after it" if others else ""))
         record_failure(job_dir, {"exit_code": status, "cause": cause, "rank": rank, "host": host})
         return status
     except SignalException as e:  # torchrun itself was signalled (scancel, scontrol requeue): its workers stopped
-        print(f"torchrun on {host}: got {signal.Signals(e.sigval).name}; the training processes have stopped",
-              file=sys.stderr)
+        stderr_line(f"torchrun on {host}: got {signal.Signals(e.sigval).name}; the training processes have stopped")
         return 128 + int(e.sigval)
     except RendezvousConnectionError as e:
         # The launcher of the node that hosts the rendezvous store (the first) ended while this node's ranks ran:
         # its ranks stopped (a requeue) or failed, and it said so. torchrun stopped the ranks here; nothing is
         # recorded, so that the first node's record (or the requeue) decides what the job does.
-        print(f"torchrun on {host}: lost the rendezvous store ({e.__cause__ or e}): the first node's launcher has "
-              f"ended; the training processes here have stopped", file=sys.stderr)
+        stderr_line(f"torchrun on {host}: lost the rendezvous store ({e.__cause__ or e}): the first node's launcher "
+                    f"has ended; the training processes here have stopped")
         return exit_codes.COLLECTIVE
     return 0
 

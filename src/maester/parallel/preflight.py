@@ -39,6 +39,7 @@ from maester.config import PreflightConfig
 from maester.files import write_atomically
 from maester.parallel.devices import process_group_backend
 from maester.parallel.precision import DTYPES
+from maester.progress import stderr_line
 
 REPORT_FILE = "preflight.json"
 FAULT_ENV = "_MAESTER_PREFLIGHT_FAULT"
@@ -326,7 +327,7 @@ class Preflight:
 
     def _timed_out(self, report: PreflightReport, check: str, job_dir: Path) -> None:
         report.stopped = f"timeout: {check} did not finish within {self.cfg.timeout_s:g} s"
-        print(f"preflight: rank {self.rank}: {report.stopped}; stopping the job", file=sys.stderr, flush=True)
+        stderr_line(f"preflight: rank {self.rank}: {report.stopped}; stopping the job")
         if self.rank == 0:
             path = report.write(job_dir)
             print(f"preflight: stopped by a timeout; report {path}", flush=True)
