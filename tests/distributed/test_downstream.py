@@ -5,8 +5,6 @@ killed with SIGKILL after an evaluation resumes to the same training losses, bit
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -105,11 +103,10 @@ def test_fsdp_evaluates_in_the_loop_and_resumes_bitwise(tmp_path):
 def test_tensor_parallel_evaluates_as_the_whole_model_does(tmp_path):
     """Tensor and sequence parallel over two processes: every forward padded to a multiple of two positions, the
     decoding steps too, vocabulary-sharded logits gathered; the responses are the whole model's."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(REPO / "tests" / "distributed" / "downstream_tp.py"), str(tmp_path)],
-                         env=clean_env(OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-                                       HF_HOME=str(tmp_path / "hf"), XDG_CACHE_HOME=str(tmp_path / "cache")),
-                         capture_output=True, text=True, timeout=600)
+    out = torchrun(2, [str(tmp_path)], tmp_path, timeout=600,
+                   env=clean_env(OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+                                 HF_HOME=str(tmp_path / "hf"), XDG_CACHE_HOME=str(tmp_path / "cache")),
+                   script=REPO / "tests" / "distributed" / "downstream_tp.py")
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (1, 0):  # rank 0's holds the results: lm-eval reports on the first process of a node only
         result = json.loads((tmp_path / f"result-{rank}.json").read_text())

@@ -151,7 +151,10 @@ cfg = load_config(None, tiny_overrides(corpus, root / "jobs", f"bcast{rank}", **
 try:
     trainer = Trainer(cfg, cfg.job_dir)
 except Exception as e:
-    sys.stderr.write(f"rank {rank} raised {type(e).__name__}: {e}\\n")  # one write: the ranks share stderr
+    sys.stderr.write(f"rank {rank} raised {type(e).__name__}: {e}\\n")  # one write: ranks may share stderr
+    sys.stderr.flush()
+    if dist.is_initialized():
+        dist.barrier()  # each rank's line is written before either ends (a launcher ends the others then)
     sys.exit(3)
 full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
         for k, v in trainer.model.state_dict().items()}
@@ -161,20 +164,13 @@ dist.destroy_process_group()
 
 
 def run_ranks(root, corpus, overrides, tmp_path):
-    """RANK_SCRIPT on two processes under torchrun."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from tests.helpers import clean_env
+    """RANK_SCRIPT on two processes, as torchrun starts them (`helpers.torchrun`)."""
+    from tests.helpers import REPO, clean_env, torchrun
 
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(root), str(corpus), *[f"{k}={v}" for k, v in overrides.items()]],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    script.write_text(f"import sys\nsys.path.insert(0, {str(REPO)!r})\n" + RANK_SCRIPT)
+    return torchrun(2, [str(root), str(corpus), *[f"{k}={v}" for k, v in overrides.items()]], tmp_path,
+                    env=clean_env(OMP_NUM_THREADS="1"), timeout=300, script=script)
 
 
 def check_ranks_other_than_0_never_open_the_weight_files(source, tmp_path, **extra):
