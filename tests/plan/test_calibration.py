@@ -1,19 +1,17 @@
 """The plan's per-rank peak (fake tensors in a fake process group) against the peak torch's memory trackers count
 around a real step on real tensors: the demo and the tiny OLMoE in this process, FSDP x2 and TP x2 on two real
-gloo processes (tests/plan/measure_ranks.py under torchrun). Each within 10%."""
+gloo processes (tests/plan/measure_ranks.py, started as torchrun starts it). Each within 10%."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from maester.config import load_config
 from maester.plan.memory import measure_rank_memory, predict_rank_memory
-from tests.helpers import DEMO_CONFIG, REPO, clean_env
+from tests.helpers import DEMO_CONFIG, REPO, clean_env, torchrun
 
 CPU = ["--training.device=cpu", "--training.micro_batch_size=4", "--training.global_batch_size=8"]
 ONE_PROCESS = {
@@ -42,10 +40,8 @@ def test_predicted_peak_of_one_process_within_10_percent(name):
 
 def test_predicted_peak_of_two_ranks_within_10_percent(tmp_path):
     layouts = [f"{name}={','.join(CPU + overrides)}" for name, overrides in TWO_PROCESSES.items()]
-    env = clean_env(OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "tests/plan/measure_ranks.py"), str(tmp_path), str(DEMO_CONFIG), *layouts],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    result = torchrun(2, [str(tmp_path), str(DEMO_CONFIG), *layouts], REPO, env=clean_env(OMP_NUM_THREADS="1"),
+                      script=REPO / "tests/plan/measure_ranks.py")
     assert result.returncode == 0, result.stderr[-3000:]
     for name, overrides in TWO_PROCESSES.items():
         cfg = _config(overrides)
