@@ -36,6 +36,12 @@ def busy_shares(samples: list[tuple[int, int]]) -> list[float]:
     return out
 
 
+def minutes_and_seconds(seconds: float) -> str:
+    """`seconds` as "M min S s", rounded to the second."""
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=float, default=5.0, help="seconds between samples of /proc/stat")
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine_busy_percent_of_all_cpus": round(100 * busy / max(1, busy + idle), 1),
         "stretches_below_90_percent": sum(1 for s in shares if s < 0.9), "stretches": len(shares),
     }
-    print(f"suite time: {wall / 60:.0f} min {wall % 60:.0f} s wall, exit {code}; the command's processes "
+    print(f"suite time: {minutes_and_seconds(wall)} wall, exit {code}; the command's processes "
           f"{tree_cpu:,.0f} CPU s ({figures['command_cpu_percent']}% of one CPU); the machine's {cpus} CPUs "
           f"{figures['machine_busy_percent_of_all_cpus']}% busy ({busy / tick:,.0f} CPU s), "
           f"{figures['stretches_below_90_percent']} of {len(shares)} stretches of {args.every:.0f} s below 90%",

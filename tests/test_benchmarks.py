@@ -113,3 +113,10 @@ def test_suite_time_counts_the_command_and_the_machine_and_keeps_its_exit_code(t
     assert 0.9 <= figures["command_cpu_s"] <= figures["wall_s"] + 1, figures
     assert figures["machine_busy_cpu_s"] >= 0.9 and figures["stretches"] >= 4, figures
     assert "suite time:" in run.stdout
+
+
+def test_suite_time_writes_whole_minutes_and_the_seconds_left():
+    from benchmarks.suite_time import minutes_and_seconds
+
+    assert [minutes_and_seconds(s) for s in (1911.4, 1940.8, 59.6, 0.2)] == [
+        "31 min 51 s", "32 min 21 s", "1 min 0 s", "0 min 0 s"]
