@@ -17,7 +17,8 @@ from tests.helpers import clean_env, write_corpus
 
 TRAIN_PRELOAD = ["torch", "maester.cli", "maester.train.trainer", "maester.parallel.parallelize",
                  "maester.parallel.float8", "torchao.float8", "torch.distributed.checkpoint",
-                 "torch.distributed.pipelining", "torch._dynamo", "torch._inductor.compile_fx"]
+                 "torch.distributed.pipelining", "torch._dynamo", "torch._inductor.compile_fx",
+                 "tests.combinations.warm_compile"]  # last: Dynamo's and Inductor's set-up done once, not per rank
 EXPORT_PRELOAD = ["torch", "maester.cli", "maester.tools.convert", "maester.tools.generate",
                   "maester.train.checkpoint"]  # no torchao: see export.py
 SFT_SEQ = 64  # conversations need more room than the 32 tokens of the other cells
