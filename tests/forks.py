@@ -95,6 +95,8 @@ class Forked:
         self.statuses: list[int | None] = []
 
     def poll(self) -> int | None:
+        if self.returncode is not None:  # once ended, its pids may be a later command's
+            return self.returncode
         statuses = [self.zygote.status(p) for p in self.pids]
         if len(self.pids) > 1 and any(s not in (0, None) for s in statuses) and None in statuses:
             for pid in self.pids:

@@ -50,10 +50,10 @@ class Zygote:
                     self._status[message["pid"]] = message["status"]
                     self.cpu_seconds += message["cpu"]
                     self._live.discard(message["pid"])
-                else:
+                else:  # sent before any status of this child: a status held for its pid is an earlier child's
                     self._pids[message["id"]] = message["pid"]
-                    if message["pid"] not in self._status:
-                        self._live.add(message["pid"])
+                    self._status.pop(message["pid"], None)
+                    self._live.add(message["pid"])
                 self._lock.notify_all()
 
     def start(self, call: str, args: list, log: Path, env: dict[str, str] | None = None,

@@ -37,3 +37,23 @@ def test_what_a_library_imported_in_the_worker_sets_keeps_commands_forked(monkey
     monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")  # what `import threadpoolctl` does
     assert forks.zygote_for(clean_env()) is not None
     assert forks.zygote_for(clean_env(KMP_DUPLICATE_LIB_OK="False")) is None
+
+
+def test_a_pid_the_kernel_gives_again_is_a_new_command_not_the_one_that_ended():
+    """The kernel reuses pids (pid_max is 32768 on many machines, and a run starts tens of thousands of processes
+    and threads): the status of an earlier child with the same pid must not end the new one at once (a command
+    then read as ended with exit 0 and no output)."""
+    import io
+    import json
+    import threading
+
+    from tests.processes import Zygote
+
+    zygote = Zygote.__new__(Zygote)
+    messages = [{"ready": True}, {"id": 0, "pid": 100}, {"pid": 100, "status": 0, "cpu": 0.5}, {"id": 1, "pid": 100}]
+    zygote._proc = type("Proc", (), {"stdout": io.StringIO("".join(json.dumps(m) + "\n" for m in messages))})()
+    zygote._lock, zygote._pids, zygote._status, zygote._live = threading.Condition(), {}, {}, set()
+    zygote.cpu_seconds, zygote._ready = 0.0, False
+    zygote._read()
+    assert zygote._pids == {0: 100, 1: 100} and zygote.cpu_seconds == 0.5
+    assert zygote.status(100) is None and zygote._live == {100}  # the second command still runs
