@@ -14,14 +14,30 @@ import torch
 def _warm() -> None:
     before = set(threading.enumerate())
     compiled = torch.compile(lambda x: (x * 2).sin() + x.cos())
-    compiled(torch.randn(8))
-    from tqdm import tqdm
-
-    if tqdm.monitor is not None:  # Inductor's progress bar started tqdm's monitor thread; a new bar starts another
-        tqdm.monitor.exit()
+    compiled(torch.ones(8))  # not randn: the zygote's generator stays as a fresh process's
+    _forget_tqdm()
     started = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     if started:  # a fork copies no thread: a lock one of them held would stay held in every cell
         raise RuntimeError(f"compiling in the zygote started threads {started}")
+
+
+def _forget_tqdm() -> None:
+    """Inductor's progress bar started tqdm's monitor thread and made its locks, one of them a multiprocessing lock
+    that every fork would share (a rank SIGKILLed while holding it would block the bars of all later cells): the
+    thread ends and the locks go, so that each fork makes its own, as a fresh process does."""
+    from tqdm import tqdm
+    from tqdm.std import TqdmDefaultWriteLock
+
+    classes = [tqdm]
+    for cls in classes:
+        classes.extend(cls.__subclasses__())
+        if vars(cls).get("monitor") is not None:
+            cls.monitor.exit()
+            cls.monitor = None
+        if "_lock" in vars(cls):
+            del cls._lock
+    if "mp_lock" in vars(TqdmDefaultWriteLock):
+        del TqdmDefaultWriteLock.mp_lock
 
 
 _warm()

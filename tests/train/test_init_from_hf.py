@@ -133,7 +133,7 @@ def test_load_modes_that_take_more_than_weights_are_refused(mode):
 
 
 RANK_SCRIPT = """
-import sys, torch, torch.distributed as dist
+import datetime, sys, torch, torch.distributed as dist
 from pathlib import Path
 from maester.config import load_config
 from maester.train.trainer import Trainer
@@ -153,8 +153,14 @@ try:
 except Exception as e:
     sys.stderr.write(f"rank {rank} raised {type(e).__name__}: {e}\\n")  # one write: ranks may share stderr
     sys.stderr.flush()
-    if dist.is_initialized():
-        dist.barrier()  # each rank's line is written before either ends (a launcher ends the others then)
+    if dist.is_initialized():  # each rank's line is written before either ends (a launcher ends the others then)
+        try:
+            if dist.get_backend() == "gloo":  # a barrier that gives up on a rank that never comes
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+            else:
+                dist.barrier()
+        except RuntimeError as barrier:
+            sys.stderr.write(f"rank {rank}: {barrier}\\n")
     sys.exit(3)
 full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
         for k, v in trainer.model.state_dict().items()}
