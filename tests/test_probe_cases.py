@@ -873,15 +873,17 @@ def read_while_training(s: LiveScratch, out: str, err: str) -> None:
     import re
     import time
 
+    from maester.train.checkpoint_dirs import STEP_DIR, step_dirs
+
+    def newest() -> int:
+        saved = step_dirs(s.training() / "checkpoints")
+        return int(STEP_DIR.match(saved[0].name)[1]) if saved else 0
+
     read = int(re.search(r"/checkpoints/step-(\d+) \(step \d+\)", err)[1])
     deadline = time.monotonic() + 300
-    while True:
-        steps = [int(p.name.split("-")[1]) for p in (s.training() / "checkpoints").glob("step-*")
-                 if p.name.split("-")[1].isdigit()]
-        if max(steps, default=0) > read or time.monotonic() > deadline:
-            break
+    while (latest := newest()) <= read and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert max(steps, default=0) > read, (read, steps)
+    assert latest > read, (read, latest)
 
 
 def stopped_job(s: Scratch) -> Path:
