@@ -156,19 +156,23 @@ class Forked:
 
 
 def start(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 0,
-          script: Path | None = None) -> Forked | None:
+          script: Path | None = None, module: str | None = None) -> Forked | None:
     """`python -m maester ARGS` (`nproc` 0), or `torchrun --standalone --nproc_per_node=N -m maester ARGS` (or
-    `SCRIPT ARGS`), started as forks with torchrun's variables for each rank; None where it must be real."""
+    `SCRIPT ARGS`, or `-m MODULE ARGS`), started as forks with torchrun's variables for each rank; None where it
+    must be real."""
     zygote = zygote_for(env)
     if zygote is None:
         return None
-    target = ["-m", "maester"] if script is None else [str(script)]
+    target = ["-m", module or "maester"] if script is None else [str(script)]
     if nproc == 0:
         command = [sys.executable, *target, *args]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    *target, *args]
-    if script is None:
+    if module is not None:
+        call, call_args = "runpy:run_module", [module, None, "__main__", True]
+        where = dict(argv=[module, *args], path0=str(cwd))
+    elif script is None:
         call, call_args = "maester.cli:main", [args]
         where = dict(argv=[str(REPO / "src" / "maester" / "__main__.py"), *args], main="maester.__main__")
         env = _as_the_cli_sets_it(env)
@@ -234,6 +238,12 @@ def _completed(forked: Forked | None, timeout: float) -> subprocess.CompletedPro
 def run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
     """`python -m maester ARGS` as a fork; None where it must be a real process."""
     return _completed(start(args, cwd, env), timeout)
+
+
+def run_python(args: list[str], cwd: Path, env: dict[str, str], timeout: float, script: Path | None = None,
+               module: str | None = None) -> subprocess.CompletedProcess | None:
+    """`python SCRIPT ARGS` or `python -m MODULE ARGS` as a fork; None where it must be a real process."""
+    return _completed(start(args, cwd, env, 0, script, module), timeout)
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str], timeout: float,

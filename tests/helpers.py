@@ -68,6 +68,22 @@ def start_maester(args: list[str], cwd: Path, env: dict[str, str] | None = None)
     return forks.start_or_real(args, cwd, env or clean_env())
 
 
+def run_python(args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300,
+               script: Path | None = None, module: str | None = None) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` (or `python -m MODULE ARGS`): a fresh process, forked from one that imported torch and
+    maester (`tests.forks`), or where it must be, a real one."""
+    from tests import forks
+
+    env = env or clean_env()
+    cwd = cwd or REPO
+    forked = forks.run_python(args, cwd, env, timeout, script, module)
+    if forked is not None:
+        return forked
+    target = ["-m", module] if script is None else [str(script)]
+    return subprocess.run([sys.executable, *target, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
 def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
              timeout: float = 300, agent: bool = False, script: Path | None = None) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=N -m maester ARGS` (or `SCRIPT ARGS`) on this machine (gloo on

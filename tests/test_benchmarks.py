@@ -1,4 +1,5 @@
-"""The benchmark harnesses run (in their CPU smoke mode) and print their table."""
+"""The benchmark harnesses run (in their CPU smoke mode) and print their table: forks of a process that imported
+torch and maester (`helpers.run_python`), each as `python SCRIPT` would run it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, clean_env, run_python
 
 
 def test_train_throughput_smoke(tmp_path):
@@ -20,8 +21,8 @@ def test_train_throughput_smoke(tmp_path):
 
 
 def test_data_throughput_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "data_throughput.py"), "--smoke"],
-                         env=clean_env(XDG_CACHE_HOME=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    out = run_python(["--smoke"], script=REPO / "benchmarks" / "data_throughput.py",
+                     env=clean_env(XDG_CACHE_HOME=str(tmp_path)))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     names = [r[1].strip() for r in rows[1:]]
@@ -32,8 +33,7 @@ def test_data_throughput_smoke(tmp_path):
 
 
 def test_generate_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "generate.py"), "--smoke"],
-                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    out = run_python(["--smoke"], script=REPO / "benchmarks" / "generate.py")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[1].strip() for r in rows[1:]] == ["llama demo", "gemma3 (demo width)"]
@@ -41,8 +41,7 @@ def test_generate_smoke(tmp_path):
 
 
 def test_optimizer_step_smoke():
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "optimizer_step.py"), "--smoke"],
-                         env=clean_env(), capture_output=True, text=True, timeout=300)
+    out = run_python(["--smoke"], script=REPO / "benchmarks" / "optimizer_step.py")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert [r[1].strip() for r in rows[1:]][0] == "adamw (baseline)" and len(rows) == 7
@@ -52,8 +51,8 @@ def test_optimizer_step_smoke():
 def test_peers_quick(tmp_path):
     """The peers table: our forward + backward against transformers' on the same weights (the harness refuses
     unequal losses) and our trainer against the plain loops, at equal parameter counts."""
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers.py"), "--quick", "--no-compile"],
-                         env=clean_env(XDG_CACHE_HOME=str(tmp_path)), capture_output=True, text=True, timeout=600)
+    out = run_python(["--quick", "--no-compile"], script=REPO / "benchmarks" / "peers.py",
+                     env=clean_env(XDG_CACHE_HOME=str(tmp_path)), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     names = [r[1].strip() for r in rows[1:]]
@@ -67,8 +66,7 @@ def test_peers_quick(tmp_path):
 
 
 def test_hot_path_profile():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.hot_path", "--top", "3", "--quick"], cwd=REPO, env=clean_env(),
-                         capture_output=True, text=True, timeout=300)
+    out = run_python(["--top", "3", "--quick"], module="benchmarks.hot_path")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     groups = {r[1].strip(): (float(r[2]), float(r[3])) for r in rows if r[1].strip() in ("matmul", "attention")}
@@ -76,8 +74,8 @@ def test_hot_path_profile():
 
 
 def test_checkpoint_io_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_io.py"), "--smoke", "--dir",
-                          str(tmp_path)], env=clean_env(), capture_output=True, text=True, timeout=600)
+    out = run_python(["--smoke", "--dir", str(tmp_path)], script=REPO / "benchmarks" / "checkpoint_io.py",
+                     timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     tables = out.stdout.split("\n\n")
     rows = [line.split("|") for line in tables[1].splitlines() if line.startswith("| ") and "---" not in line]

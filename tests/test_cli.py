@@ -1,4 +1,5 @@
-"""The `maester` command, run as a real subprocess (`python -m maester`) in a temporary directory."""
+"""The `maester` command, run as a real subprocess (`python -m maester`) in a temporary directory; the commands that
+import torch as forks of a process that imported it (`forked_maester`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import yaml
 
 from maester.config import Config, load_config
 from maester.jobs.job_dir import write_job_dir
+from tests.helpers import run_maester
 
 DEMO = Path(__file__).parents[1] / "configs" / "demo.toml"
 # The demo warms up for 30 steps; a run of 7 steps needs a shorter warmup (warmup > steps is an error).
@@ -28,6 +30,12 @@ def _env() -> dict[str, str]:
 def maester(*args: str, cwd: Path, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *python_flags, "-m", "maester", *map(str, args)], cwd=cwd, env=_env(),
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+
+
+def forked_maester(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`maester ARGS` for a command that imports torch: forked from a process that imported it
+    (`helpers.run_maester`); the real entry point is the one above."""
+    return run_maester(list(map(str, args)), cwd, _env(), timeout=120)
 
 
 # ---------------------------------------------------------------- help and import cost
@@ -134,7 +142,7 @@ def test_environment_reaches_the_command(tmp_path):
 
 def test_submit_creates_the_job_directory(tmp_path):
     dump = tmp_path / "dump"
-    result = maester("submit", "--no-submit", DEMO, "--name", "myjob", "--job.dump_dir", dump, cwd=tmp_path)
+    result = forked_maester("submit", "--no-submit", DEMO, "--name", "myjob", "--job.dump_dir", dump, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     job = dump / "myjob"
     assert (job / "config.json").is_file()
@@ -181,7 +189,7 @@ def test_submit_dry_run_writes_nothing(tmp_path):
 
 
 def test_submit_default_dump_dir_is_relative_to_cwd(tmp_path):
-    result = maester("submit", "--no-submit", DEMO, cwd=tmp_path)
+    result = forked_maester("submit", "--no-submit", DEMO, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "jobs" / "demo" / "config.json").is_file()
 
@@ -195,9 +203,10 @@ def test_submit_rejects_bad_name(tmp_path):
 
 def test_mup_with_a_tied_head_is_one_line(tmp_path):
     """μP's zero-initialised readout with tied embeddings: the project's one-line error, not pydantic's report."""
-    result = maester("train", DEMO, f"--job.dump_dir={tmp_path}/jobs", "--mup.enabled=true", "--mup.base_width=64",
-                     "--mup.zero_init_readout=true", "--model.overrides.tie_embeddings=true", "--training.steps=2",
-                     "--schedule.warmup_steps=1", "--training.device=cpu", cwd=tmp_path)
+    result = forked_maester("train", DEMO, f"--job.dump_dir={tmp_path}/jobs", "--mup.enabled=true",
+                            "--mup.base_width=64", "--mup.zero_init_readout=true",
+                            "--model.overrides.tie_embeddings=true", "--training.steps=2",
+                            "--schedule.warmup_steps=1", "--training.device=cpu", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert errors == ["maester train: error: mup with model llama/demo: mup.zero_init_readout needs an untied "
@@ -210,9 +219,9 @@ def test_invalid_utf8_in_a_loader_worker_is_one_line(tmp_path):
     """A bad record met in a DataLoader worker: the record's own message, not DataLoader's wrapped report."""
     data = tmp_path / "bad.jsonl"
     data.write_bytes(b'{"text": "a fine document"}\n{"text": "\xff\xfe"}\n')
-    result = maester("train", DEMO, f"--job.dump_dir={tmp_path}/jobs", "--model.flavor=tiny",
-                     f'--data.sources=[{{"path": "{data}"}}]', "--training.steps=2", "--schedule.warmup_steps=1",
-                     "--training.device=cpu", "--data.num_workers=1", cwd=tmp_path)
+    result = forked_maester("train", DEMO, f"--job.dump_dir={tmp_path}/jobs", "--model.flavor=tiny",
+                            f'--data.sources=[{{"path": "{data}"}}]', "--training.steps=2",
+                            "--schedule.warmup_steps=1", "--training.device=cpu", "--data.num_workers=1", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line or "Traceback" in line]
     assert errors == [f"maester train: error: {data}:2: not valid UTF-8 (byte 10 of the line)"]

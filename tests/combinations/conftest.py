@@ -1,7 +1,8 @@
-"""What the combination matrix shares within a pytest process: the data of each kind, a seed checkpoint and its
-Hugging Face export per model family, and two zygotes (`processes.Zygote`): one with torchao imported, for training,
-and one without, for exports. `pytest -m combinations` runs the full matrix; without it those tests are skipped.
-At the end the run prints the pairs covered, the cells run and the seconds they took."""
+"""What the combination matrix shares within a pytest process: the data of each kind, a seed checkpoint and its Hugging
+Face export per model family, and two zygotes (`processes.Zygote`): one with torchao imported, for training, and one
+without, for exports (the worker's own, `tests.forks`, where it has one). `pytest -m combinations` runs the full
+matrix; without it those tests are skipped. At the end the run prints the pairs covered, the cells run and the
+seconds they took."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from tests.combinations.cells import FAMILY, Files
+from tests import forks
 from tests.processes import REPO, Zygote
 from tests.helpers import clean_env, write_corpus
 
@@ -92,10 +94,14 @@ def _zygote(root, name: str, preload: list[str]) -> Zygote:
 
 @pytest.fixture(scope="session")
 def zygotes(matrix_files):
+    """(training zygote, export zygote): the exports fork from the worker's own zygote (`tests.forks`: torch and
+    maester, no torchao) where it has one, rather than from a third process importing the same."""
     started = time.monotonic()
     train = _zygote(matrix_files.root, "train", TRAIN_PRELOAD)
-    export = _zygote(matrix_files.root, "export", EXPORT_PRELOAD)
+    shared = forks.zygote_for(clean_env())
+    export = shared or _zygote(matrix_files.root, "export", EXPORT_PRELOAD)
     print(f"zygotes ready in {time.monotonic() - started:.1f} s")
     yield train, export
     train.close()
-    export.close()
+    if shared is None:
+        export.close()

@@ -76,7 +76,8 @@ def export_group(checkpoints: dict[str, object], cells: dict[str, Cell], files, 
     outs = {name: files.root / "exports" / name for name in checkpoints}
     spec.write_text(json.dumps([{"checkpoint": str(checkpoints[n]), "out": str(outs[n])} for n in checkpoints]))
     log = files.root / "logs" / f"{spec.stem}.log"
-    pid = zygote.start("tests.combinations.export:export_checkpoints", [str(spec)], log)
+    pid = zygote.start("tests.combinations.export:export_checkpoints", [str(spec)], log,
+                       env={"OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(files.root / "cache")})
     status = zygote.wait(pid, 900)
     if status != 0:
         zygote.kill(pid)
