@@ -8,6 +8,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +83,16 @@ def run_python(args: list[str], cwd: Path | None = None, env: dict[str, str] | N
     target = ["-m", module] if script is None else [str(script)]
     return subprocess.run([sys.executable, *target, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def run_code(code: str, args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS`: `run_python` of CODE written to a file of its own (its folder first on sys.path, not
+    the working directory: CODE imports installed packages only)."""
+    with tempfile.TemporaryDirectory(prefix="maester-code-") as folder:
+        script = Path(folder) / "code.py"
+        script.write_text(code)
+        return run_python(args, cwd, env, timeout, script=script)
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests import forks
 from tests.helpers import clean_env
 
@@ -57,3 +59,37 @@ def test_a_pid_the_kernel_gives_again_is_a_new_command_not_the_one_that_ended():
     zygote._read()
     assert zygote._pids == {0: 100, 1: 100} and zygote.cpu_seconds == 0.5
     assert zygote.status(100) is None and zygote._live == {100}  # the second command still runs
+
+
+def test_a_forked_script_takes_tmpdir_and_arguments_as_a_new_process_does(tmp_path):
+    """The zygote chose its temporary folder when it imported torch: a fork with TMPDIR in its environment uses
+    that folder instead, as a new process would (wandb puts its socket there); `python -c CODE ARGS` and
+    `python -m MODULE ARGS` get sys.argv as python gives it."""
+    from tests.helpers import REPO, run_code, run_python
+
+    code = "import json, sys, tempfile\nprint(json.dumps([tempfile.gettempdir(), sys.argv[1:]]))"
+    assert forks.run_python(["x"], REPO, clean_env(), 60, script=REPO / "tests" / "__init__.py") is not None
+    out = run_code(code, ["a", "b c"], env=clean_env(TMPDIR=str(tmp_path)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f'["{tmp_path}", ["a", "b c"]]'
+    module = run_python(["--help"], module="benchmarks.suite_time")
+    assert module.returncode == 0 and module.stdout.startswith("usage: suite_time.py "), module.stderr
+
+
+def test_every_test_on_the_forkserver_asks_for_its_one_preload():
+    """multiprocessing keeps one forkserver per process, with the preload of whoever started it: a test module with a
+    preload of its own would decide what every later module's ranks import themselves."""
+    import importlib.util
+
+    from tests import forkserver
+    from tests.helpers import REPO
+
+    files = {str(p.relative_to(REPO)): p.read_text() for p in (REPO / "tests").rglob("*.py")
+             if p.resolve() != Path(__file__).resolve()}
+    users = {name for name, text in files.items() if 'start_method="forkserver"' in text}
+    assert len(users) >= 5
+    own = {name for name, text in files.items() if "set_forkserver_preload(" in text}
+    assert own == {"tests/forkserver.py"}, own
+    modules = {u[:-3].replace("/", ".") for u in users}
+    assert modules <= set(forkserver.PRELOAD), modules - set(forkserver.PRELOAD)
+    assert all(importlib.util.find_spec(m) is not None for m in forkserver.PRELOAD)

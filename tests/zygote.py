@@ -11,9 +11,11 @@ Protocol, one JSON object per line. In (stdin): {"id": n, "call": "module:functi
 "cwd": path, "log": path}, and optionally "err": path (stderr apart from stdout), "replace_env": true (`env` is the
 whole environment, not additions) "argv": [...] (sys.argv, and sys.path[0] the working directory, as
 `python -m` has them), "path0" (sys.path[0] instead: a script's folder) and "main" (the module that is
-`__main__`, as `python -m MODULE` makes it). Out (stdout): {"id": n, "pid": p} once the child runs, and {"pid": p, "status": s, "cpu": c} when it
-ended (its exit code, or minus the signal that ended it; the CPU seconds it and the processes it waited for took). End of input: the zygote kills the children it still has and
-exits; they die with it too, however it ends.
+`__main__`, as `python -m MODULE` makes it). Out (stdout): {"id": n, "pid": p} once the child runs, and
+{"pid": p, "status": s, "cpu": c} when it ended (its exit code, or minus the signal that ended it; the CPU seconds
+it and the processes it waited for took). End of input: the zygote kills the children it still has and exits; they
+die with it too, however it ends. A child is what a new process would be: its environment is read anew where
+torch's import did not already read it (the temporary folder too).
 
 Run as `python -m tests.zygote MODULE...`: the modules to import first.
 """
@@ -45,6 +47,8 @@ def _child(request: dict) -> None:
         if request.get("replace_env"):
             os.environ.clear()
         os.environ.update(request["env"])
+        if "tempfile" in sys.modules:  # the folder it chose here; a new process takes TMPDIR's on first use
+            sys.modules["tempfile"].tempdir = None
         if "OMP_NUM_THREADS" in os.environ and "torch" in sys.modules:  # OpenMP read it when torch loaded here
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         if "argv" in request:

@@ -1,8 +1,9 @@
 """Data sources on the Hugging Face Hub (`hf://datasets/org/name[@rev]/<glob or dir>`), read by the real
 `huggingface_hub` from a mock Hub on 127.0.0.1, against the same Parquet files read locally: the same batches,
 validation split and exact resume; a moved revision is a resume error; offline, an error saying how to fetch the
-files; `maester data download` writes them for a cluster without internet. Each process that reads the Hub is a
-subprocess, because `huggingface_hub` reads HF_ENDPOINT and HF_HUB_OFFLINE when it is imported."""
+files; `maester data download` writes them for a cluster without internet. What reads the Hub runs in a new
+process (a fork of one that has not imported `huggingface_hub`), because it reads HF_ENDPOINT and HF_HUB_OFFLINE
+when it is imported."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ import hashlib
 import io
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import run_maester
+from tests.helpers import run_code, run_maester
 from tests.hub_server import MockHub
 from tests.test_hub import hub_env
 
@@ -100,8 +99,14 @@ def write_local(root: Path, files: dict[str, bytes]) -> Path:
     return root
 
 
+# A fork of the worker's zygote (which imports torch and maester, not huggingface_hub) imports it afresh, under the
+# fork's own environment: what a new process does.
+FRESH = "import sys\nassert 'huggingface_hub' not in sys.modules, 'imported before the environment was set'\n"
+
+
 def run_python(script: str, arg: str, env: dict) -> list | dict:
-    out = subprocess.run([sys.executable, "-c", script, arg], env=env, capture_output=True, text=True, timeout=300)
+    """`python -c SCRIPT ARG` with `env`: a fork (`helpers.run_code`) or a real process."""
+    out = run_code(FRESH + script, [arg], env=env)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
 from maester.config import ModelConfig
 from maester.models.build import build_on_meta, materialize, resolve_args
+from tests import forkserver
 
 TOKENS, VOCAB, DIM, CHUNK = 512, 4096, 32, 32  # the memory check: 512 x 2048 local fp32 logits = 4 MiB
 
@@ -124,9 +124,8 @@ def _worker(rank: int, world: int, store: str, errors) -> None:
 
 
 def test_chunked_loss_under_tensor_parallel(tmp_path):
-    # Forked from a server that imported these once: two fresh imports of torch take longer than the checks.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.tensor", "maester.models.transformer", __name__])
+    # Forked from a server that imported torch and maester once: two fresh imports take longer than the checks.
+    ctx = forkserver.context()
     errors = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(2, str(tmp_path / "store"), errors), nprocs=2, join=True,
                        start_method="forkserver")

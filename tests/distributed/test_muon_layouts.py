@@ -13,6 +13,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests import forkserver
+
 # Each matrix's row counts: a fused projection of three logical matrices, and two plain ones.
 EVEN = {"qkv": ((8, 4, 4), 8), "up": ((12,), 8), "down": ((8,), 12)}
 UNEVEN = {"qkv": ((5, 3, 3), 8), "up": ((7,), 8), "down": ((8,), 7)}  # 11 and 7 rows: uneven FSDP shards
@@ -201,15 +203,9 @@ def _worker(rank: int, world: int, port: int, layout: str, directory: str, error
         torch.distributed.destroy_process_group()
 
 
-# The processes fork from a server that has imported these once, rather than each importing them anew (spawn):
-# importing torch and FSDP takes far longer than the checks.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
-           "torch.distributed.checkpoint", "maester.train.muon", __name__]
-
-
 def _run(layout: str, world: int, directory: str = "") -> None:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    # forked from a server that imported torch, FSDP and maester once: importing them takes longer than the checks
+    ctx = forkserver.context()
     errors = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(world, _free_port(), layout, directory, errors), nprocs=world, join=True,
                        start_method="forkserver")

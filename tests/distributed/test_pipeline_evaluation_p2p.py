@@ -9,6 +9,8 @@ import os
 import torch
 import torch.multiprocessing as mp
 
+from tests import forkserver
+
 TENSORS = [torch.arange(12, dtype=torch.float32).reshape(3, 4),
            torch.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5).to(torch.bfloat16),
            torch.arange(6, dtype=torch.int64).reshape(1, 2, 3)]
@@ -43,8 +45,7 @@ def _worker(rank: int, store: str, errors) -> None:
 
 
 def test_evaluation_sends_over_the_pp_group_with_its_ranks(tmp_path):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "maester.parallel.pipeline", __name__])
+    ctx = forkserver.context()
     errors = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(str(tmp_path / "store"), errors), nprocs=3, join=True,
                        start_method="forkserver")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from maester.config import ModelConfig
 from maester.models.build import build_on_meta, materialize, resolve_args
+from tests import forkserver
 
 ARCHS = ["llama", "gemma3", "qwen3", "olmo2", "gpt_neox"]
 # Gemma 2 once, for its soft-capped scores and (vocabulary-sharded) logits, with its tied head. The other later
@@ -77,14 +78,10 @@ def _worker(rank: int, world: int, store: str, name: str, tied: bool, errors):
     os._exit(0)
 
 
-# The processes fork from a server that imported these once (11 cases, 22 processes), not each anew (spawn).
-PRELOAD = ["torch", "torch.distributed.tensor", "maester.models.build", "maester.parallel.parallelize", __name__]
-
-
 @pytest.mark.parametrize("name, tied", CASES, ids=[f"{n}-{'tied' if t else 'untied'}" for n, t in CASES])
 def test_tensor_parallel_matches_one_process(name, tied, tmp_path):
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    # forked from a server that imported torch and maester once (11 cases, 22 processes), not each anew (spawn)
+    ctx = forkserver.context()
     errors = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(2, str(tmp_path / "store"), name, tied, errors), nprocs=2, join=True,
                        start_method="forkserver")

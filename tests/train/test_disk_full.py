@@ -45,11 +45,12 @@ def test_full_disk_at_save_keeps_the_previous_checkpoint(tmp_path, how):
     try:
         first = run_maester(["train", str(DEMO_CONFIG), *args], cwd=tmp_path)
         assert first.returncode == 0, first.stderr[-2000:]
-        env = clean_env()
-        preexec = limit_file_size if how == "file size limit" else None
-        out = subprocess.run([sys.executable, "-m", "maester", "train", str(job), "--training.steps=4"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                             preexec_fn=preexec)
+        again = ["train", str(job), "--training.steps=4"]
+        if how == "file size limit":  # set in the new process before it runs: a real one
+            out = subprocess.run([sys.executable, "-m", "maester", *again], cwd=tmp_path, env=clean_env(),
+                                 capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+        else:
+            out = run_maester(again, cwd=tmp_path)
         assert out.returncode == 2, out.stderr[-3000:]
         assert "Traceback" not in out.stderr
         reason = "No space left on device" if how == "full tmpfs" else "File too large"

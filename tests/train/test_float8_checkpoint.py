@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from maester.config import load_config
 from maester.train.metrics_file import read_metrics
-from tests.helpers import REPO, clean_env, job_from_checkpoints, tiny_overrides, write_corpus
+from tests.helpers import REPO, clean_env, job_from_checkpoints, run_python, tiny_overrides, write_corpus
 
 pytest.importorskip("torchao", reason="the float8 extra (torchao) is part of the dev group")
 
@@ -85,10 +83,10 @@ def test_a_process_without_torchao_resumes_exports_generates_and_evaluates(float
                 ["generate", final, "--prompt", "the model", "--max-new-tokens", "4", "--temperature", "0",
                  "--device", "cpu"],
                 ["eval", final, "--tasks", "pydoc_choice", "--limit", "2", "--device", "cpu"]]
-    out = subprocess.run([sys.executable, str(REPO / "tests/train/commands_without_torchao.py"),
-                          json.dumps([[str(a) for a in c] for c in commands])], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600, env=clean_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-                                                               HF_HOME=str(tmp_path / "hf-home")))
+    # a new process (a fork of one that imported torch and maester, never torchao: the script checks)
+    out = run_python([json.dumps([[str(a) for a in c] for c in commands])], tmp_path, timeout=600,
+                     script=REPO / "tests/train/commands_without_torchao.py",
+                     env=clean_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home")))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("ok: maester") == len(commands)
     step3 = read_metrics(resumed / "metrics.jsonl")[-1]["loss"]

@@ -16,6 +16,7 @@ from maester.train.metrics import read_metrics
 from maester.train.nonfinite import NonFiniteError
 from maester.train.preemption import COMPLETED_FILE, REQUEUE_FILE
 from maester.train.trainer import Trainer
+from tests import forkserver
 from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides, torchrun
 from tests.test_progress import assert_no_bar
 
@@ -189,8 +190,7 @@ def test_the_watch_after_a_load_raises_on_every_rank_when_one_loss_share_is_bad(
     """A rank that raised alone would wait alone in the collective that sets the checkpoints aside."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "maester.train.nonfinite"])
+    ctx = forkserver.context()
     found = ctx.SimpleQueue()
     mp.start_processes(_watch_one_rank, args=(str(tmp_path / "store"), found), nprocs=2, join=True,
                        start_method="forkserver")

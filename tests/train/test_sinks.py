@@ -20,7 +20,7 @@ import pytest
 
 from maester.train.metrics import read_metrics
 from maester.train.sinks import SinkError, scalars, wandb_run_id
-from tests.helpers import DEMO_CONFIG, clean_env, run_maester, tiny_overrides
+from tests.helpers import DEMO_CONFIG, clean_env, run_code, run_maester, tiny_overrides
 
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
 
@@ -225,9 +225,9 @@ def test_wandb_online_without_a_reachable_server_fails_with_a_clear_error(tmp_pa
     job_dir = tmp_path / "jobs" / "online"
     with silent_port() as (url, connections):
         env = wandb_env(tmp_path / "home", short_tmp, url, WANDB_API_KEY="0" * 40)
-        out = subprocess.run([sys.executable, "-c", OPEN_METRICS, f"--job.dump_dir={tmp_path / 'jobs'}",
-                              "--job.name=online", "--logging.wandb.enabled=true", "--logging.wandb.init_timeout=2"],
-                             env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+        out = run_code(OPEN_METRICS, [f"--job.dump_dir={tmp_path / 'jobs'}", "--job.name=online",
+                                      "--logging.wandb.enabled=true", "--logging.wandb.init_timeout=2"],
+                       env=env, timeout=180)
         assert connections() > 0  # it did try the (silent) server
     assert out.returncode == 3, out.stderr
     run_id = (job_dir / "wandb" / "run-id").read_text().strip()
@@ -270,8 +270,7 @@ for key in ("logging.tensorboard.enabled", "logging.wandb.enabled"):
 
 
 def test_a_missing_package_is_an_error_naming_the_key_and_the_extra(tmp_path):
-    out = subprocess.run([sys.executable, "-c", MISSING_PACKAGES, str(tmp_path)], env=clean_env(),
-                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    out = run_code(MISSING_PACKAGES, [str(tmp_path)], timeout=120)
     assert out.returncode == 0, out.stderr
     tensorboard, wandb = out.stdout.splitlines()
     assert tensorboard.startswith("logging.tensorboard.enabled is true, but TensorBoard cannot be imported (")
