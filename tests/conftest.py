@@ -14,6 +14,9 @@ prefer_passive_waiting()
 import pytest  # noqa: E402
 
 import tests.forks  # noqa: E402, F401  (first: it keeps the worker's environment as it starts)
+from tests import forkserver  # noqa: E402
+
+forkserver.install()  # the worker's one forkserver imports what every test that uses it needs
 
 from tests.helpers import write_corpus  # noqa: E402
 

@@ -1,12 +1,14 @@
-"""`python -m maester` and `torchrun --standalone -m maester` for the suite, as forks of a zygote (`zygote.py`).
+"""`python -m maester`, `torchrun --standalone -m maester` and `python SCRIPT` (or `-m MODULE`) for the suite, as forks
+of a zygote (`zygote.py`).
 
 A maester process spends seconds importing torch and maester before it does anything; the suite starts hundreds.
-Each pytest worker keeps one zygote that imported them once, and `run` and `torchrun` (or `start`, which does not
-wait: a `Forked`, with Popen's methods) fork a fresh process from it for each command: its own environment (the
-whole of it), working directory, sys.argv and sys.path[0] as `python -m` sets them, its stdout and stderr apart,
-and the interpreter's exit (threads joined, atexit hooks run). Where a command's environment differs from the
-zygote's in a variable read while torch loads (`IMPORT_TIME`), the command runs as a real process instead;
-`_MAESTER_TESTS_NO_FORK=1` runs them all as real processes.
+Each pytest worker keeps one zygote that imported them once, and `run`, `run_python` and `torchrun` (or `start`,
+which does not wait: a `Forked`, with Popen's methods) fork a fresh process from it for each command: its own
+environment (the whole of it), working directory, sys.argv and sys.path[0] as python sets them, its stdout and
+stderr apart, and the interpreter's exit (threads joined, atexit hooks run). Where a command's environment differs
+from the zygote's in a variable read while torch loads (`IMPORT_TIME`), the command runs as a real process instead;
+`_MAESTER_TESTS_NO_FORK=1` runs them all as real processes. (OpenMP waits passively in every fork, as the zygote's
+`maester` environment set it: a real `python SCRIPT` would spin, which changes timings only.)
 
 `torchrun` gives each rank the variables torchrun sets for it and, as torchrun does, ends the others when one fails
 and exits 1 then; what it does not have is torchrun's agent (restarts, its store, its error summary): tests of

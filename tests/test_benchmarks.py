@@ -1,5 +1,6 @@
-"""The benchmark harnesses run (in their CPU smoke mode) and print their table: forks of a process that imported
-torch and maester (`helpers.run_python`), each as `python SCRIPT` would run it."""
+"""The benchmark harnesses run (in their CPU smoke mode) and print their table. Those that import torch are forks of
+a process that imported it and maester (`helpers.run_python`), each as `python SCRIPT` would run it; the training
+throughput harness imports neither (it times `maester train` processes of its own) and the suite timer is real."""
 
 from __future__ import annotations
 

@@ -63,8 +63,9 @@ def test_a_pid_the_kernel_gives_again_is_a_new_command_not_the_one_that_ended():
 
 def test_a_forked_script_takes_tmpdir_and_arguments_as_a_new_process_does(tmp_path):
     """The zygote chose its temporary folder when it imported torch: a fork with TMPDIR in its environment uses
-    that folder instead, as a new process would (wandb puts its socket there); `python -c CODE ARGS` and
-    `python -m MODULE ARGS` get sys.argv as python gives it."""
+    that folder instead, as a new process would (wandb puts its socket there); `python -c CODE ARGS` gets its
+    arguments (sys.argv[0] is the file the code was written to), and `python -m MODULE ARGS` sys.argv as python
+    gives it."""
     from tests.helpers import REPO, run_code, run_python
 
     code = "import json, sys, tempfile\nprint(json.dumps([tempfile.gettempdir(), sys.argv[1:]]))"
@@ -93,3 +94,19 @@ def test_every_test_on_the_forkserver_asks_for_its_one_preload():
     modules = {u[:-3].replace("/", ".") for u in users}
     assert modules <= set(forkserver.PRELOAD), modules - set(forkserver.PRELOAD)
     assert all(importlib.util.find_spec(m) is not None for m in forkserver.PRELOAD)
+
+
+def test_a_preload_set_elsewhere_in_a_worker_keeps_the_tests_one():
+    """maester's data commands set a preload of their own for their worker pool; run in-process by a test before
+    the worker's forkserver started, it would have been the server's, for every later test."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from tests import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["maester.data.worker_pool", "json"])
+    assert multiprocessing.forkserver._forkserver._preload_modules == [
+        *forkserver.PRELOAD, "maester.data.worker_pool", "json"]
+    forkserver.install()  # once is enough: installing again wraps nothing
+    multiprocessing.forkserver.set_forkserver_preload(["json"])
+    assert multiprocessing.forkserver._forkserver._preload_modules == [*forkserver.PRELOAD, "json"]

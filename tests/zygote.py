@@ -15,7 +15,8 @@ whole environment, not additions) "argv": [...] (sys.argv, and sys.path[0] the w
 {"pid": p, "status": s, "cpu": c} when it ended (its exit code, or minus the signal that ended it; the CPU seconds
 it and the processes it waited for took). End of input: the zygote kills the children it still has and exits; they
 die with it too, however it ends. A child is what a new process would be: its environment is read anew where
-torch's import did not already read it (the temporary folder too).
+torch's import did not already read it (the temporary folder too), and Python's and numpy's random generators are
+seeded anew; only the hash seed of str is its siblings'.
 
 Run as `python -m tests.zygote MODULE...`: the modules to import first.
 """
@@ -49,6 +50,10 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         if "tempfile" in sys.modules:  # the folder it chose here; a new process takes TMPDIR's on first use
             sys.modules["tempfile"].tempdir = None
+        if "random" in sys.modules:  # a new process seeds it from the OS, not as its siblings
+            sys.modules["random"].seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
         if "OMP_NUM_THREADS" in os.environ and "torch" in sys.modules:  # OpenMP read it when torch loaded here
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         if "argv" in request:
